@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# Build libllama + ggml as shared libraries from the llama.cpp sources pinned by the
+# llama-cpp-python sdist on PyPI, and install them into ./libllama/ (git-ignored):
+#   libllama/lib/*.so  libllama/include/llama.h  libllama/manifest.json
+#
+# Only the C library is used; the llama_cpp Python wrapper inside the sdist is not.
+# The sdist and the CMake build folder live in a cache outside the clone
+# (${SWARMKV_CACHE:-~/.cache/swarmkv-ffi}), so a second run, a second clone or CI is fast.
+# A run whose pin and flags match the installed manifest does nothing.
+set -euo pipefail
+
+SDIST_NAME=llama-cpp-python
+SDIST_VERSION=0.3.36
+SDIST_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+LLAMA_COMMIT=0c1e570          # vendor/llama.cpp inside that sdist (2026-10-01)
+
+usage() {
+    cat <<USAGE
+usage: $0 [--cuda] [--cuda-arch ARCHS] [--jobs N] [--force]
+
+Builds libllama (llama.cpp ${LLAMA_COMMIT}, from ${SDIST_NAME}==${SDIST_VERSION}) into ./libllama/.
+
+  --cuda             build the CUDA backend (GGML_CUDA=ON); needs nvcc
+  --cuda-arch ARCHS  CUDA architectures, e.g. "90" or "80;90" (default: CMake's "native")
+  --jobs N           parallel compile jobs (default: nproc)
+  --force            rebuild even if the installed manifest matches
+  -h, --help         this text
+
+Environment: SWARMKV_CACHE (cache folder), CMAKE (cmake binary).
+USAGE
+}
+
+die() { echo "build_llama.sh: error: $*" >&2; exit 1; }
+say() { echo "build_llama.sh: $*" >&2; }
+
+backend=cpu; cuda_arch=""; jobs=$(nproc 2>/dev/null || echo 2); force=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --cuda) backend=cuda ;;
+        --cuda-arch) [ $# -ge 2 ] || die "--cuda-arch needs a value"; cuda_arch="$2"; shift ;;
+        --jobs) [ $# -ge 2 ] || die "--jobs needs a value"; jobs="$2"; shift ;;
+        --force) force=1 ;;
+        -h|--help) usage; exit 0 ;;
+        *) usage >&2; die "unknown argument: $1" ;;
+    esac
+    shift
+done
+[ -n "$cuda_arch" ] && [ "$backend" != cuda ] && die "--cuda-arch only makes sense with --cuda"
+
+root=$(cd "$(dirname "$0")" && pwd)
+prefix="$root/libllama"
+cache="${SWARMKV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/swarmkv-ffi}"
+CMAKE="${CMAKE:-cmake}"
+
+# ---- tools ---------------------------------------------------------------------------
+command -v "$CMAKE" >/dev/null || die "cmake not found; install it (apt-get install cmake, or pip install cmake)"
+cmake_version=$("$CMAKE" --version | head -1 | awk '{print $3}')
+printf '%s\n3.14\n' "$cmake_version" | sort -V -C 2>/dev/null && die "cmake $cmake_version is too old; llama.cpp needs >= 3.14 (pip install cmake)"
+command -v cc >/dev/null || command -v gcc >/dev/null || die "no C compiler; install one (apt-get install build-essential)"
+command -v c++ >/dev/null || command -v g++ >/dev/null || die "no C++ compiler; install one (apt-get install g++)"
+if [ "$backend" = cuda ]; then
+    command -v nvcc >/dev/null || die "--cuda needs nvcc on PATH (CUDA toolkit)"
+fi
+py=$(command -v python3 || command -v python) || die "python3 not found (needed to fetch the sdist with pip)"
+
+# ---- flags and the idempotence key ---------------------------------------------------
+flags=(
+    -DCMAKE_BUILD_TYPE=Release
+    -DBUILD_SHARED_LIBS=ON
+    -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
+    -DLLAMA_BUILD_MTMD=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
+    -DGGML_NATIVE=ON -DGGML_OPENMP=ON
+    # libllama finds its ggml libraries beside itself, wherever the folder is moved.
+    -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON '-DCMAKE_INSTALL_RPATH=$ORIGIN'
+)
+if [ "$backend" = cuda ]; then
+    flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${cuda_arch:-native}")
+fi
+key=$(printf '%s\n' "$SDIST_SHA256" "${flags[@]}" | sha256sum | cut -c1-16)
+manifest="$prefix/manifest.json"
+
+if [ $force = 0 ] && [ -f "$manifest" ] && grep -q "\"build_key\": \"$key\"" "$manifest" \
+   && [ -f "$prefix/lib/libllama.so" ] && [ -f "$prefix/include/llama.h" ]; then
+    say "up to date ($backend, llama.cpp $LLAMA_COMMIT)"
+    echo "$prefix/lib/libllama.so"
+    exit 0
+fi
+
+# ---- source: the sdist, checked ------------------------------------------------------
+mkdir -p "$cache/sdist"
+tarball="$cache/sdist/llama_cpp_python-${SDIST_VERSION}.tar.gz"
+if [ ! -f "$tarball" ]; then
+    say "downloading ${SDIST_NAME}==${SDIST_VERSION} source distribution from PyPI"
+    "$py" -m pip download --quiet --no-binary :all: --no-deps \
+        "${SDIST_NAME}==${SDIST_VERSION}" -d "$cache/sdist" 2>&1 | tail -5 >&2 \
+        || true
+    [ -f "$tarball" ] || die "could not download ${SDIST_NAME}==${SDIST_VERSION} from PyPI; is the registry reachable (pip config, proxy)? You can also place the file at $tarball"
+fi
+got=$(sha256sum "$tarball" | cut -d' ' -f1)
+if [ "$got" != "$SDIST_SHA256" ]; then
+    rm -f "$tarball"
+    die "sha256 mismatch for $(basename "$tarball"): got $got, want $SDIST_SHA256 (removed it; run again to re-download)"
+fi
+
+src="$cache/src-$SDIST_VERSION"
+if [ ! -f "$src/.extracted" ]; then
+    say "extracting vendor/llama.cpp"
+    rm -rf "$src"; mkdir -p "$src"
+    tar xzf "$tarball" -C "$src" --strip-components=3 "llama_cpp_python-${SDIST_VERSION}/vendor/llama.cpp" \
+        || die "could not extract vendor/llama.cpp from $tarball"
+    rm -f "$src/.git"   # a submodule pointer into a .git we do not have
+    touch "$src/.extracted"
+fi
+
+# ---- configure, build, install -------------------------------------------------------
+build="$cache/build-$key"
+launcher=()
+if command -v ccache >/dev/null; then
+    launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+    [ "$backend" = cuda ] && launcher+=(-DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+    say "using ccache"
+fi
+say "configuring ($backend) in $build"
+"$CMAKE" -S "$src" -B "$build" "${flags[@]}" "${launcher[@]}" \
+    -DCMAKE_INSTALL_PREFIX="$prefix" -DCMAKE_INSTALL_LIBDIR=lib >"$cache/configure-$key.log" 2>&1 \
+    || { tail -30 "$cache/configure-$key.log" >&2; die "cmake configure failed; full log: $cache/configure-$key.log"; }
+say "compiling with $jobs jobs (first build takes several minutes on a small machine)"
+"$CMAKE" --build "$build" --config Release -j "$jobs" --target llama >"$cache/build-$key.log" 2>&1 \
+    || { tail -30 "$cache/build-$key.log" >&2; die "compile failed; full log: $cache/build-$key.log"; }
+
+rm -rf "$prefix"; mkdir -p "$prefix/lib" "$prefix/include"
+# Copy the shared objects (with their version symlinks) and the public headers.
+find "$build/bin" "$build/src" "$build/ggml/src" -maxdepth 3 -name '*.so*' -exec cp -P {} "$prefix/lib/" \; 2>/dev/null
+cp "$src/include/llama.h" "$prefix/include/"
+cp "$src"/ggml/include/*.h "$prefix/include/"
+[ -f "$prefix/lib/libllama.so" ] || die "build finished but libllama.so was not found under $build"
+
+header_sha=$(sha256sum "$prefix/include/llama.h" | cut -d' ' -f1)
+flags_json=$(printf '"%s",' "${flags[@]}"); flags_json="[${flags_json%,}]"
+cat >"$manifest" <<JSON
+{
+  "llama_cpp_commit": "$LLAMA_COMMIT",
+  "source": "${SDIST_NAME}==${SDIST_VERSION}",
+  "source_sha256": "$SDIST_SHA256",
+  "backend": "$backend",
+  "cuda_arch": "${cuda_arch}",
+  "build_flags": $flags_json,
+  "build_key": "$key",
+  "llama_h_sha256": "$header_sha",
+  "built_at": "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+}
+JSON
+say "installed into $prefix"
+echo "$prefix/lib/libllama.so"

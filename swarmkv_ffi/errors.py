@@ -1,0 +1,65 @@
+"""Every exception the package raises on purpose, so callers can catch by meaning."""
+
+
+class SwarmKVError(Exception):
+    """Base of every error raised by swarmkv_ffi."""
+
+
+class LibraryNotFoundError(SwarmKVError):
+    """libllama could not be located or loaded."""
+
+
+class PinMismatchError(SwarmKVError):
+    """The loaded libllama was not built from the llama.h our declarations were copied from."""
+
+
+class ClosedError(SwarmKVError):
+    """A Model, Context, Batch or Sampler was used after close()."""
+
+
+class ModelLoadError(SwarmKVError):
+    """A model file could not be loaded (missing, not GGUF, truncated, unsupported)."""
+
+
+class ModelNotFoundError(ModelLoadError, FileNotFoundError):
+    """The model path or short name does not resolve to a file."""
+
+
+class ContextError(SwarmKVError):
+    """llama_init_from_model refused the requested context."""
+
+
+class TokenizeError(SwarmKVError):
+    """Tokenization or detokenization failed."""
+
+
+class DecodeError(SwarmKVError):
+    """llama_decode returned a non-zero code. Subclasses say which."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class NoKVSlotError(DecodeError):
+    """llama_decode returned 1: the KV cache has no room for the batch."""
+
+
+class DecodeAbortedError(DecodeError):
+    """llama_decode returned 2: the abort callback stopped it."""
+
+
+class InvalidBatchError(DecodeError):
+    """llama_decode returned -1: the batch itself is malformed."""
+
+
+class DecodeFailedError(DecodeError):
+    """llama_decode returned < -1: a fatal compute error."""
+
+
+class StateError(SwarmKVError):
+    """Getting or setting KV state failed or moved an unexpected number of bytes."""
+
+
+class BudgetError(SwarmKVError, ValueError):
+    """The requested work does not fit the context window."""

@@ -1,0 +1,207 @@
+"""Find libllama, load it with cffi (ABI mode), check it against the pin, route its log.
+
+Everything that touches the shared library starts here: `ffi` and `lib()` are the only
+handles the rest of the package uses. The library is loaded lazily, once per process, so
+importing swarmkv_ffi never fails just because libllama has not been built yet.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+from collections import deque
+from pathlib import Path
+
+from cffi import FFI
+
+from . import _cdef
+from .errors import LibraryNotFoundError, PinMismatchError
+
+log = logging.getLogger("swarmkv_ffi.llama")
+
+ffi = FFI()
+ffi.cdef(_cdef.cdef_source())
+
+ENV_LIBRARY = "SWARMKV_LIBLLAMA"
+ENV_ALLOW_UNPINNED = "SWARMKV_ALLOW_UNPINNED"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+_lock = threading.Lock()
+_lib = None
+_lib_path: Path | None = None
+_backend_ready = False
+_log_callback = None  # kept alive for as long as libllama may call it
+_recent_errors: deque[str] = deque(maxlen=8)
+_partial_line: list[str] = []
+
+
+def candidate_paths() -> list[Path]:
+    """Where libllama is looked for, in order."""
+    found = []
+    env = os.environ.get(ENV_LIBRARY)
+    if env:
+        p = Path(env)
+        found.append(p / "libllama.so" if p.is_dir() else p)
+    found.append(REPO_ROOT / "libllama" / "lib" / "libllama.so")
+    found.append(Path.cwd() / "libllama" / "lib" / "libllama.so")
+    return found
+
+
+def find_library() -> Path:
+    """The first existing candidate, or an error that says how to get one."""
+    env = os.environ.get(ENV_LIBRARY)
+    candidates = candidate_paths()
+    if env and not candidates[0].exists():
+        raise LibraryNotFoundError(
+            f"{ENV_LIBRARY}={env} does not point at an existing libllama.so")
+    for path in candidates:
+        if path.exists():
+            return path
+    tried = "\n  ".join(str(p) for p in candidates)
+    raise LibraryNotFoundError(
+        "libllama.so not found. Build it with ./build_llama.sh (from the swarmkv-ffi "
+        f"repository), or set {ENV_LIBRARY} to its path. Looked in:\n  {tried}")
+
+
+def install_root(lib_path: Path) -> Path:
+    """build_llama.sh's install folder: lib/ and include/ and manifest.json side by side."""
+    return lib_path.resolve().parent.parent
+
+
+def read_manifest(lib_path: Path | None = None) -> dict | None:
+    """The build manifest written by build_llama.sh, if the library has one."""
+    root = install_root(lib_path or find_library())
+    try:
+        return json.loads((root / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def header_sha256(lib_path: Path) -> str | None:
+    """sha256 of the llama.h installed next to the library, or None if there is none."""
+    header = install_root(lib_path) / "include" / "llama.h"
+    if not header.exists():
+        return None
+    return hashlib.sha256(header.read_bytes()).hexdigest()
+
+
+def check_pin(lib_path: Path) -> None:
+    """Refuse a libllama whose llama.h is not the one our declarations describe.
+
+    A wrong header means wrong struct layouts, which means silent memory corruption, so
+    this is an error unless SWARMKV_ALLOW_UNPINNED=1 says the caller takes that risk.
+    """
+    if os.environ.get(ENV_ALLOW_UNPINNED) == "1":
+        return
+    got = header_sha256(lib_path)
+    if got is None:
+        manifest = read_manifest(lib_path) or {}
+        got = manifest.get("llama_h_sha256")
+    if got is None:
+        raise PinMismatchError(
+            f"cannot verify {lib_path}: no include/llama.h or manifest.json beside it. "
+            f"Build with ./build_llama.sh, or set {ENV_ALLOW_UNPINNED}=1 to skip the check.")
+    if got != _cdef.LLAMA_H_SHA256:
+        raise PinMismatchError(
+            f"{lib_path} was built from a llama.h with sha256 {got}, but swarmkv_ffi's "
+            f"declarations were copied from {_cdef.LLAMA_H_SHA256} (llama.cpp "
+            f"{_cdef.LLAMA_CPP_COMMIT}, {_cdef.SOURCE}). Rebuild with ./build_llama.sh.")
+
+
+_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+
+
+def _on_llama_log(level: int, text, _user_data) -> None:
+    """libllama's log, line by line, into Python logging (logger 'swarmkv_ffi.llama').
+
+    libllama sends pieces of a line (GGML_LOG_LEVEL_CONT continues the previous one);
+    we join them and emit complete lines so log records stay readable.
+    """
+    try:
+        piece = ffi.string(text).decode("utf-8", "replace")
+        if level != 5:
+            _on_llama_log.level = _LEVELS.get(level, logging.DEBUG)
+        _partial_line.append(piece)
+        if not piece.endswith("\n"):
+            return
+        line = "".join(_partial_line).rstrip()
+        _partial_line.clear()
+        lvl = _on_llama_log.level
+        if lvl >= logging.ERROR:
+            _recent_errors.append(line)
+        log.log(lvl, "%s", line)
+    except Exception:  # a callback must never raise into C
+        pass
+
+
+_on_llama_log.level = logging.DEBUG
+
+
+def recent_errors(clear: bool = True) -> list[str]:
+    """The last error lines libllama logged: the library's own words for our exceptions."""
+    out = list(_recent_errors)
+    if clear:
+        _recent_errors.clear()
+    return out
+
+
+def lib():
+    """The loaded libllama (loading, checking and initialising it on first use)."""
+    global _lib, _lib_path, _log_callback
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is None:
+            path = find_library()
+            check_pin(path)
+            try:
+                handle = ffi.dlopen(str(path))
+            except OSError as exc:
+                raise LibraryNotFoundError(f"could not load {path}: {exc}") from exc
+            _log_callback = ffi.callback("ggml_log_callback", _on_llama_log)
+            handle.llama_log_set(_log_callback, ffi.NULL)
+            _lib_path = path
+            _lib = handle
+    return _lib
+
+
+def library_path() -> Path:
+    lib()
+    return _lib_path
+
+
+def backend():
+    """Initialise the llama + ggml backend once per process and return the library."""
+    global _backend_ready
+    handle = lib()
+    if not _backend_ready:
+        with _lock:
+            if not _backend_ready:
+                handle.llama_backend_init()
+                _backend_ready = True
+    return handle
+
+
+def devices() -> list[dict]:
+    """The backend devices ggml sees (CPU always; CUDA when built with it), with memory."""
+    handle = backend()
+    out = []
+    free, total = ffi.new("size_t *"), ffi.new("size_t *")
+    kinds = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+    for i in range(handle.ggml_backend_dev_count()):
+        dev = handle.ggml_backend_dev_get(i)
+        handle.ggml_backend_dev_memory(dev, free, total)
+        out.append({
+            "name": ffi.string(handle.ggml_backend_dev_name(dev)).decode(),
+            "description": ffi.string(handle.ggml_backend_dev_description(dev)).decode(),
+            "type": kinds.get(int(handle.ggml_backend_dev_type(dev)), "unknown"),
+            "memory_free": int(free[0]),
+            "memory_total": int(total[0]),
+        })
+    return out
+
+
+def version() -> str:
+    return ffi.string(lib().llama_version()).decode()
