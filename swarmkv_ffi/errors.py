@@ -63,3 +63,15 @@ class StateError(SwarmKVError):
 
 class BudgetError(SwarmKVError, ValueError):
     """The requested work does not fit the context window."""
+
+
+class SnapshotError(StateError):
+    """A KV snapshot cannot be used: corrupt, truncated, or made for something else."""
+
+
+class SnapshotCorruptError(SnapshotError):
+    """The snapshot's bytes or file structure are damaged (checksum, size, magic)."""
+
+
+class SnapshotMismatchError(SnapshotError):
+    """The snapshot is intact but was made for another model, build, document or context."""

@@ -23,7 +23,9 @@ class Generation:
     text: str = ""
     stopped_on_eog: bool = False
     prompt_ms: float = 0.0
-    decode_ms: float = 0.0
+    first_token_ms: float = 0.0  # from the call to the first sampled token
+    decode_ms: float = 0.0       # from the end of the prompt to the last token
+    first_logits: np.ndarray | None = None  # logits the first token was sampled from
 
     @property
     def tokens_per_s(self) -> float:
@@ -45,7 +47,8 @@ class TextStream:
 
 
 def generate(ctx: Context, prompt_tokens, *, max_tokens: int = 64, sampler: Sampler | None = None,
-             seq_id: int = 0, pos0: int = 0, on_text: Callable[[str], None] | None = None) -> Generation:
+             seq_id: int = 0, pos0: int = 0, on_text: Callable[[str], None] | None = None,
+             keep_first_logits: bool = False) -> Generation:
     """Decode `prompt_tokens` at positions pos0…, then sample up to `max_tokens` tokens,
     stopping at end-of-generation. `on_text` receives text as it is produced."""
     prompt = np.asarray(prompt_tokens, dtype=np.int32)
@@ -64,8 +67,12 @@ def generate(ctx: Context, prompt_tokens, *, max_tokens: int = 64, sampler: Samp
         out.prompt_ms = (t1 - t0) / 1e6
         step = Batch(1)
         pos = pos0 + len(prompt)
-        for _ in range(max_tokens):
+        for i in range(max_tokens):
+            if i == 0 and keep_first_logits:
+                out.first_logits = ctx.logits(row).copy()
             token = sampler.sample(ctx, row)
+            if i == 0:
+                out.first_token_ms = (time.perf_counter_ns() - t0) / 1e6
             if model.is_eog(token):
                 out.stopped_on_eog = True
                 break

@@ -1,0 +1,159 @@
+"""A small DAG orchestrator: named nodes, dependency edges, a bounded worker pool.
+
+A node runs when every dependency has finished and every gate (an external Future, such
+as "prefill reached token W") has resolved. Scheduling is driven by completion callbacks,
+so no worker ever blocks waiting for another node: a pool of any size cannot deadlock.
+
+A node whose dependency or gate failed does not run; it fails with the *same* exception
+object, and `run()` raises the first failure. `run(timeout=…)` never waits forever: it
+raises DagTimeoutError naming the nodes still pending.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import SwarmKVError
+
+
+class DagError(SwarmKVError, ValueError):
+    """The graph itself is wrong: duplicate name, unknown dependency, cycle."""
+
+
+class DagTimeoutError(SwarmKVError, TimeoutError):
+    """run() gave up waiting; the message names what was still pending."""
+
+
+@dataclass
+class Node:
+    name: str
+    fn: Callable[[dict[str, Any]], Any]
+    deps: tuple[str, ...]
+    gates: tuple[Future, ...]
+    future: Future = field(default_factory=Future)
+
+
+class Dag:
+    def __init__(self):
+        self.nodes: dict[str, Node] = {}
+
+    def add(self, name: str, fn: Callable[[dict[str, Any]], Any], deps=(), gates=()) -> None:
+        """Add node `name`; `fn` gets a dict {dependency name: its result}."""
+        if name in self.nodes:
+            raise DagError(f"duplicate node name {name!r}")
+        self.nodes[name] = Node(name, fn, tuple(deps), tuple(gates))
+
+    def check(self) -> list[str]:
+        """Unknown dependencies and cycles are errors; returns a topological order."""
+        for node in self.nodes.values():
+            for dep in node.deps:
+                if dep not in self.nodes:
+                    raise DagError(f"node {node.name!r} depends on unknown node {dep!r}")
+        white, grey, black = 0, 1, 2
+        colour = {name: white for name in self.nodes}
+        order: list[str] = []
+        path: list[str] = []
+
+        def visit(name: str) -> None:
+            colour[name] = grey
+            path.append(name)
+            for dep in self.nodes[name].deps:
+                if colour[dep] == grey:
+                    cycle = path[path.index(dep):] + [dep]
+                    raise DagError(f"cycle: {' -> '.join(cycle)} (edge {name!r} -> {dep!r})")
+                if colour[dep] == white:
+                    visit(dep)
+            path.pop()
+            colour[name] = black
+            order.append(name)
+
+        for name in self.nodes:
+            if colour[name] == white:
+                visit(name)
+        return order
+
+    def run(self, max_workers: int = 4, timeout: float | None = None) -> dict[str, Any]:
+        """Run every node; return {name: result}. Raises the first node failure."""
+        order = self.check()
+        dependents: dict[str, list[str]] = {n: [] for n in self.nodes}
+        for node in self.nodes.values():
+            for dep in node.deps:
+                dependents[dep].append(node.name)
+        lock = threading.Lock()
+        started: set[str] = set()
+        failures: list[BaseException] = []
+
+        pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="dag")
+        timed_out = False
+        try:
+            def ready(node: Node) -> bool:
+                return all(self.nodes[d].future.done() for d in node.deps) and \
+                    all(g.done() for g in node.gates)
+
+            def try_start(node: Node) -> None:
+                with lock:
+                    if node.name in started or not ready(node):
+                        return
+                    started.add(node.name)
+                upstream = [self.nodes[d].future for d in node.deps] + list(node.gates)
+                for f in upstream:
+                    if f.cancelled():
+                        return
+                    if f.exception() is not None:
+                        _settle(node.future, exc=f.exception())
+                        return
+                inputs = {d: self.nodes[d].future.result() for d in node.deps}
+                pool.submit(execute, node, inputs)
+
+            def execute(node: Node, inputs: dict) -> None:
+                if node.future.cancelled():  # run() timed out meanwhile
+                    return
+                try:
+                    result = node.fn(inputs)
+                except BaseException as exc:  # noqa: BLE001 - handed to dependents verbatim
+                    with lock:
+                        failures.append(exc)
+                    _settle(node.future, exc=exc)
+                else:
+                    _settle(node.future, result=result)
+
+            def on_done(name: str) -> None:
+                for child in dependents[name]:
+                    try_start(self.nodes[child])
+
+            for name in order:
+                node = self.nodes[name]
+                node.future.add_done_callback(lambda _f, n=name: on_done(n))
+                for gate in node.gates:
+                    gate.add_done_callback(lambda _f, n=node: try_start(n))
+            for name in order:
+                try_start(self.nodes[name])
+
+            futures = [n.future for n in self.nodes.values()]
+            _, pending = wait(futures, timeout=timeout)
+            if pending:
+                timed_out = True
+                names = sorted(n.name for n in self.nodes.values() if not n.future.done())
+                for f in pending:
+                    f.cancel()
+                raise DagTimeoutError(
+                    f"DAG did not finish within {timeout} s; still pending: {', '.join(names)}")
+        finally:
+            # After a timeout, do not wait for nodes still running: they finish on their own.
+            pool.shutdown(wait=not timed_out, cancel_futures=timed_out)
+        if failures:
+            raise failures[0]
+        return {name: node.future.result() for name, node in self.nodes.items()}
+
+
+def _settle(future: Future, result: Any = None, exc: BaseException | None = None) -> None:
+    """Resolve a node's future unless run() already cancelled it (timeout)."""
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
