@@ -71,6 +71,10 @@ flags=(
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
     -DLLAMA_BUILD_MTMD=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
     -DGGML_NATIVE=ON -DGGML_OPENMP=ON
+    # llamafile's sgemm computes batched matmuls with another summation order than
+    # ggml's per-row dot products; off, a token's logits do not depend on what else
+    # shares its batch, so shared-mode branches can match plain runs bit for bit.
+    -DGGML_LLAMAFILE=OFF
     # libllama finds its ggml libraries beside itself, wherever the folder is moved.
     -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON '-DCMAKE_INSTALL_RPATH=$ORIGIN'
 )

@@ -150,7 +150,7 @@ class Context(Owned):
         batch row whose logits are ready (-1 when none). `progress(done)` is called after
         each chunk with the number of tokens done so far."""
         tokens = np.asarray(tokens, dtype=np.int32)
-        step = self.n_batch
+        step = min(self.n_batch, batch.capacity) if batch else self.n_batch
         batch = batch or Batch(min(step, max(1, len(tokens))))
         row = -1
         for start in range(0, len(tokens), step):

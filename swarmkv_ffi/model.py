@@ -49,7 +49,7 @@ class Model(Owned):
 
     def __init__(self, path: str | Path, *, n_gpu_layers: int | None = None,
                  progress: Callable[[float], bool | None] | None = None,
-                 use_mmap: bool = True):
+                 use_mmap: bool = True, repack: bool = True):
         self.path = Path(path)
         check_gguf_file(self.path)
         lib = library.backend()
@@ -58,6 +58,7 @@ class Model(Owned):
             params.n_gpu_layers = n_gpu_layers
         if not use_mmap:
             params.load_mode = lib.LLAMA_LOAD_MODE_NONE
+        params.use_extra_bufts = repack
         callback = None
         if progress is not None:
             def on_progress(value, _user):

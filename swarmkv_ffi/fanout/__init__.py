@@ -1,0 +1,21 @@
+"""The fan-out engine: prefill a document once, fork its KV cache to N branches.
+
+    document ─layout─▶ budget check ─▶ prefill (n_batch chunks, seq 0, positions 0..n-1)
+       ├─ shared: llama_memory_seq_cp(0 → 1..N), one llama_decode per step for all branches
+       └─ copy:   snapshot ─▶ per-branch copy ─▶ fresh context ─▶ restore ─▶ branch loop
+
+Both modes run as a DAG (swarmkv_ffi.dag). A branch with a watermark W needs only the
+first W document tokens: the prefill splits its chunks at W and the branch starts there,
+while the rest of the document is still being read.
+
+Timings are taken with time.perf_counter_ns, relative to the start of run_fanout:
+  ready_ms        when the branch's share of the document was available
+  fork_ms         seq_cp (shared) or copy + fresh context + restore (copy)
+  activation_ms   from ready to the branch's first generated token (the "TTFT proxy")
+  decode_ms       from the first to the last generated token
+"""
+from .baseline import run_baseline
+from .engine import run_fanout
+from .plan import MODES, BranchResult, BranchSpec, FanoutResult, plan_fanout
+
+__all__ = ["MODES", "BranchResult", "BranchSpec", "FanoutResult", "plan_fanout", "run_baseline", "run_fanout"]

@@ -1,0 +1,51 @@
+"""The baseline that fan-out is measured against, and the "plain run" that fidelity tests
+compare every branch with: each agent in its own fresh context, prefilling the document
+itself (same n_batch chunks as the fan-out prefill), then decoding its branch.
+"""
+from __future__ import annotations
+
+import time
+
+from ..batch import Batch
+from ..budget import DEFAULT_HEADROOM
+from ..generate import generate
+from ..model import Model
+from .plan import BranchResult, BranchSpec, FanoutResult, Plan, plan_fanout, prefill_stops, rate
+
+
+def run_baseline(model: Model, document: str, specs: list[BranchSpec], *, n_ctx: int | None = None,
+                 n_batch: int = 512, headroom: int = DEFAULT_HEADROOM, chat: bool = True,
+                 n_threads: int | None = None, keep_logits: bool = False,
+                 kv_type: str = "q8_0", flash_attn: str = "on") -> FanoutResult:
+    """N independent agents, one after another. Nothing is shared."""
+    plan = plan_fanout(model, document, specs, n_ctx=n_ctx, n_batch=n_batch, headroom=headroom,
+                       chat=chat, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn)
+    branches = [plain_branch(plan, i, keep_logits) for i in range(len(specs))]
+    return FanoutResult(mode="baseline", model=model.path.name, n_prefix=plan.layout.n_prefix,
+                        n_ctx=plan.n_ctx, prefill_ms=sum(b.prefill_ms for b in branches),
+                        prefill_skipped=False, snapshot_bytes=0, total_ms=plan.ms(), branches=branches)
+
+
+def plain_branch(plan: Plan, i: int, keep_logits: bool = False) -> BranchResult:
+    """One agent: fresh context, prefill of the first W document tokens, branch prompt,
+    generation. Its activation is the redundant re-prefill plus the first token."""
+    res = plan.result(i)
+    w = plan.watermarks[i]
+    prefix = plan.layout.prefix
+    res.ready_ms = plan.ms()
+    t = time.perf_counter_ns()
+    with plan.context(plan.n_ctx) as ctx, plan.sampler(i) as sampler:
+        done, batch = 0, Batch(plan.n_batch)
+        for stop in (s for s in prefill_stops(plan) if s <= w):
+            batch.clear().add_sequence(prefix[done:stop], done, 0, logits_last=False)
+            ctx.decode(batch)
+            done = stop
+        res.prefill_ms = (time.perf_counter_ns() - t) / 1e6
+        gen = generate(ctx, plan.layout.suffixes[i], max_tokens=plan.specs[i].max_tokens,
+                       sampler=sampler, pos0=w, keep_first_logits=keep_logits)
+    res.token_ids, res.text, res.stopped_on_eog = gen.tokens, gen.text, gen.stopped_on_eog
+    res.activation_ms = res.prefill_ms + gen.first_token_ms
+    res.decode_ms = gen.decode_ms - (gen.first_token_ms - gen.prompt_ms)
+    res.tokens_per_s = rate(len(gen.tokens), res.decode_ms)
+    res.first_logits = gen.first_logits
+    return res

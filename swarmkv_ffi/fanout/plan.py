@@ -1,0 +1,158 @@
+"""The plan of a fan-out run: branch specs, results, and everything decided before any
+context or buffer exists (prompt layout, watermarks, context budget)."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..budget import DEFAULT_HEADROOM, check_budget
+from ..context import Context, ContextParams
+from ..errors import SnapshotMismatchError
+from ..model import Model
+from ..prompts import PromptLayout, layout
+from ..sampler import Sampler
+from ..snapshot import Snapshot, tokens_hash
+
+MODES = ("shared", "copy")
+
+
+@dataclass
+class BranchSpec:
+    """One question to answer. `watermark`: how many document tokens it needs (None = all)."""
+    question: str
+    max_tokens: int = 64
+    temp: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    watermark: int | None = None
+
+
+@dataclass
+class BranchResult:
+    index: int
+    question: str
+    n_prefix_used: int
+    prompt_token_ids: list[int]
+    prompt_text: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    stopped_on_eog: bool = False
+    ready_ms: float = 0.0
+    prefill_ms: float = 0.0      # baseline only: this agent's own prefill of the document
+    fork_ms: float = 0.0
+    activation_ms: float = 0.0
+    decode_ms: float = 0.0
+    tokens_per_s: float = 0.0
+    first_logits: np.ndarray | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("first_logits")
+        return d
+
+
+@dataclass
+class FanoutResult:
+    mode: str
+    model: str
+    n_prefix: int
+    n_ctx: int
+    prefill_ms: float
+    prefill_skipped: bool
+    snapshot_bytes: int
+    total_ms: float
+    branches: list[BranchResult]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["branches"] = [b.to_dict() for b in self.branches]
+        return d
+
+
+@dataclass
+class Plan:
+    """Everything decided before any context or buffer exists."""
+    model: Model
+    layout: PromptLayout
+    specs: list[BranchSpec]
+    watermarks: list[int]
+    n_ctx: int
+    n_batch: int
+    n_threads: int | None
+    swa_full: bool
+    t0: int
+    kv_type: str = "q8_0"
+    flash_attn: str = "on"
+
+    def ms(self) -> float:
+        return (time.perf_counter_ns() - self.t0) / 1e6
+
+    def context(self, n_ctx: int, n_seq_max: int = 1, n_batch: int | None = None) -> Context:
+        params = ContextParams(n_ctx=n_ctx, n_batch=n_batch or self.n_batch,
+                               n_ubatch=min(self.n_batch, 512), n_seq_max=n_seq_max,
+                               kv_unified=True, swa_full=self.swa_full,
+                               type_k=self.kv_type, type_v=self.kv_type, flash_attn=self.flash_attn)
+        if self.n_threads:
+            params.n_threads = self.n_threads
+        return Context(self.model, params)
+
+    def result(self, i: int) -> BranchResult:
+        w = self.watermarks[i]
+        tokens = np.concatenate([self.layout.prefix[:w], self.layout.suffixes[i]])
+        return BranchResult(index=i, question=self.specs[i].question, n_prefix_used=w,
+                            prompt_token_ids=tokens.tolist(), prompt_text=self.layout.texts[i])
+
+    def sampler(self, i: int) -> Sampler:
+        s = self.specs[i]
+        return Sampler(temp=s.temp, top_p=s.top_p, seed=s.seed)
+
+
+def plan_fanout(model: Model, document: str, specs: list[BranchSpec], *, n_ctx: int | None = None,
+                n_batch: int = 512, headroom: int = DEFAULT_HEADROOM, chat: bool = True,
+                n_threads: int | None = None, kv_type: str = "q8_0", flash_attn: str = "on") -> Plan:
+    """Tokenize, place watermarks and check the budget: no context exists yet."""
+    t0 = time.perf_counter_ns()
+    if not specs:
+        raise ValueError("at least one branch is needed")
+    if n_batch < 1:
+        raise ValueError(f"n_batch must be >= 1, got {n_batch}")
+    lay = layout(model, document, [s.question for s in specs], chat=chat)
+    watermarks = []
+    for i, s in enumerate(specs):
+        if s.max_tokens < 1:
+            raise ValueError(f"branch {i}: max_tokens must be >= 1, got {s.max_tokens}")
+        w = lay.n_prefix if s.watermark is None else s.watermark
+        if not 1 <= w <= lay.n_prefix:
+            raise ValueError(f"branch {i}: watermark {w} outside 1..{lay.n_prefix} (document tokens)")
+        watermarks.append(w)
+    max_branch = max(len(lay.suffixes[i]) + s.max_tokens for i, s in enumerate(specs))
+    n_ctx = n_ctx or round_up(lay.n_prefix + max_branch + headroom, 256)
+    check_budget(lay.n_prefix, max_branch, n_ctx, headroom)
+    return Plan(model, lay, list(specs), watermarks, n_ctx, n_batch, n_threads,
+                swa_full=model.n_swa > 0, t0=t0, kv_type=kv_type, flash_attn=flash_attn)
+
+
+def check_snapshot_document(snap: Snapshot, lay: PromptLayout) -> None:
+    if snap.header.n_tokens != lay.n_prefix or snap.header.tokens_hash != tokens_hash(lay.prefix):
+        raise SnapshotMismatchError(
+            f"snapshot holds {snap.header.n_tokens} tokens (hash {snap.header.tokens_hash}) but "
+            f"this document's prefix is {lay.n_prefix} tokens (hash {tokens_hash(lay.prefix)}): "
+            "it was made from another document, model template or --chat setting")
+
+
+def round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def prefill_stops(plan: Plan) -> list[int]:
+    """Chunk boundaries: every n_batch tokens and at every watermark."""
+    n = plan.layout.n_prefix
+    stops = set(range(plan.n_batch, n, plan.n_batch)) | set(plan.watermarks) | {n}
+    return sorted(stops)
+
+
+def rate(n_tokens: int, ms: float) -> float:
+    """Generated tokens per second after the first one."""
+    return (n_tokens - 1) / (ms / 1e3) if n_tokens > 1 and ms > 0 else 0.0

@@ -1,0 +1,123 @@
+"""Shared mode: one context, one unified KV cache, every branch in every llama_decode.
+
+The document lives in sequence 0. Forking a branch is llama_memory_seq_cp(0 → i, 0, W):
+the branch's sequence id is added to the document's cells, no bytes move. Each loop step
+builds one batch holding the next prefill chunk (if any), each new branch's prompt, and
+each running branch's last token, decodes it once, then samples every branch from its
+own row. A finished branch removes its sequence, freeing the cells only it used.
+"""
+from __future__ import annotations
+
+import codecs
+import time
+
+from .. import library
+from ..batch import Batch
+from ..budget import DEFAULT_HEADROOM
+from ..errors import BudgetError
+from ..model import Model
+from ..snapshot import Snapshot
+from .plan import BranchResult, Plan, prefill_stops, rate, round_up
+
+class _Live:
+    """A branch inside the shared context: its sequence, sampler and text so far."""
+
+    def __init__(self, plan: Plan, i: int, result: BranchResult):
+        self.i, self.seq, self.res = i, i + 1, result
+        self.spec = plan.specs[i]
+        self.sampler = plan.sampler(i)
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.pieces: list[str] = []
+        self.pending = plan.layout.suffixes[i]   # prompt tokens still to decode
+        self.pos = plan.watermarks[i]
+        self.row = -1
+        self.first_at = 0.0
+
+    def push(self, model: Model, token: int) -> bool:
+        """Record a sampled token; True when the branch is finished."""
+        if model.is_eog(token):
+            self.res.stopped_on_eog = True
+            return True
+        self.res.token_ids.append(token)
+        self.pieces.append(self.decoder.decode(model.token_bytes(token)))
+        return len(self.res.token_ids) >= self.spec.max_tokens
+
+    def finish(self, ms: float) -> None:
+        self.pieces.append(self.decoder.decode(b"", final=True))
+        self.res.text = "".join(self.pieces)
+        self.res.decode_ms = ms - self.first_at
+        self.res.tokens_per_s = rate(len(self.res.token_ids), self.res.decode_ms)
+        self.sampler.close()
+
+
+def run_shared(plan: Plan, snapshot_in, snapshot_out, progress, keep_logits):
+    model, lay = plan.model, plan.layout
+    n, n_branches = lay.n_prefix, len(plan.specs)
+    if n_branches + 1 > library.lib().llama_max_parallel_sequences():
+        raise BudgetError(f"shared mode holds one sequence per branch plus the document: "
+                          f"{n_branches + 1} > llama_max_parallel_sequences()")
+    cells = n + sum(len(lay.suffixes[i]) + s.max_tokens for i, s in enumerate(plan.specs)) + DEFAULT_HEADROOM
+    step_capacity = plan.n_batch + sum(len(s) for s in lay.suffixes) + n_branches
+    results = [plan.result(i) for i in range(n_branches)]
+    waiting = sorted(range(n_branches), key=lambda i: plan.watermarks[i])
+    live: list[_Live] = []
+    prefill_ms, snapshot_bytes = 0.0, 0
+    with plan.context(round_up(cells, 256), n_seq_max=n_branches + 1, n_batch=step_capacity) as ctx:
+        done = 0
+        if snapshot_in is not None:
+            snapshot_in.restore(ctx, 0)
+            done, snapshot_bytes = n, snapshot_in.nbytes
+        stops = iter(s for s in prefill_stops(plan) if s > done)
+        batch = Batch(step_capacity)
+        t_prefill = plan.ms()
+        ready_at = {w: t_prefill for w in set(plan.watermarks) if w <= done}
+        while waiting or live or done < n:
+            while waiting and plan.watermarks[waiting[0]] <= done:
+                live.append(fork(ctx, plan, waiting.pop(0), results, ready_at))
+            batch.clear()
+            stop = done
+            if done < n:
+                stop = next(stops)
+                batch.add_sequence(lay.prefix[done:stop], done, 0, logits_last=False)
+            for b in live:  # a new branch's whole prompt, or a running branch's last token
+                if len(b.pending):
+                    b.row = batch.add_sequence(b.pending, b.pos, b.seq, logits_last=True)
+                    b.pos += len(b.pending)
+                    b.pending = b.pending[:0]
+                else:
+                    b.row = batch.add(b.res.token_ids[-1], b.pos, (b.seq,), logits=True)
+                    b.pos += 1
+            ctx.decode(batch)
+            if stop != done:
+                done = stop
+                ready_at[done] = plan.ms()
+                if progress:
+                    progress(done, n)
+                if done == n:
+                    prefill_ms = ready_at[done] - t_prefill
+                    snapshot_bytes = ctx.seq_state_size(0)
+                    if snapshot_out is not None:
+                        snapshot_out(Snapshot.capture(ctx, 0, lay.prefix))
+            for b in list(live):
+                token = b.sampler.sample(ctx, b.row)
+                if not b.res.token_ids and not b.res.stopped_on_eog:
+                    b.first_at = plan.ms()
+                    b.res.activation_ms = b.first_at - b.res.ready_ms
+                    if keep_logits:
+                        b.res.first_logits = ctx.logits(b.row).copy()
+                if b.push(model, token):
+                    b.finish(plan.ms())
+                    ctx.seq_rm(b.seq)  # frees the branch's own cells; shared ones stay with seq 0
+                    live.remove(b)
+    return results, prefill_ms, snapshot_bytes
+
+
+def fork(ctx, plan: Plan, i: int, results: list[BranchResult], ready_at: dict) -> _Live:
+    """Branch i's sequence starts seeing the first W document cells: no bytes move."""
+    b = _Live(plan, i, results[i])
+    w = plan.watermarks[i]
+    t = time.perf_counter_ns()
+    ctx.seq_cp(0, b.seq, 0, w)
+    b.res.fork_ms = (time.perf_counter_ns() - t) / 1e6
+    b.res.ready_ms = ready_at[w]
+    return b

@@ -1,0 +1,126 @@
+"""Fan-out fidelity: every forked branch says what a plain run says.
+
+Copy mode must be bit-identical to a plain run (same chunks, fresh context). Shared mode
+batches branches together, which may change floating-point sums: we measure and report
+that, and require the first token everywhere and >= 90 % identical 16-token answers.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from swarmkv_ffi.fanout import BranchSpec, run_baseline, run_fanout
+from swarmkv_ffi.prompts import layout
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+DOC = (EXAMPLES / "apache-2.0.txt").read_text()[:1400]  # ~280 tokens: several n_batch=64 chunks
+QUESTIONS = [
+    "What is this document?",
+    "Who is the Licensor?",
+    "What does Contribution mean?",
+    "What is a Derivative Work?",
+    "Define Source form.",
+    "What is Object form?",
+    "Who is a Contributor?",
+    "Which version of the license is this?",
+]
+RUN = dict(n_batch=64)
+
+
+def specs(questions, max_tokens=16, **kw):
+    return [BranchSpec(q, max_tokens=max_tokens, **kw) for q in questions]
+
+
+@pytest.fixture(scope="module")
+def baselines(smol, gemma):
+    """Plain runs for both models, computed once."""
+    return {m.path.name: run_baseline(m, DOC, specs(QUESTIONS), keep_logits=True, **RUN)
+            for m in (smol, gemma)}
+
+
+def test_document_is_an_exact_token_prefix_of_every_prompt(any_model):
+    lay = layout(any_model, DOC, QUESTIONS, chat=True)
+    assert lay.n_prefix > 200
+    for i, text in enumerate(lay.texts):
+        whole = any_model.tokenize(text, add_special=True, parse_special=True)
+        assert np.array_equal(whole, lay.full(i)), f"branch {i}"
+        assert any_model.bos not in lay.suffixes[i][:1] or not any_model.add_bos
+
+
+def test_plain_prompt_layout_without_chat(smol):
+    lay = layout(smol, DOC, QUESTIONS[:2], chat=False)
+    for i, text in enumerate(lay.texts):
+        assert np.array_equal(smol.tokenize(text, parse_special=False), lay.full(i))
+        assert text.endswith("Answer:")
+
+
+def test_copy_mode_is_bit_identical_to_a_plain_run(any_model, baselines):
+    base = baselines[any_model.path.name]
+    out = run_fanout(any_model, DOC, specs(QUESTIONS[:4]), mode="copy", keep_logits=True, **RUN)
+    for got, want in zip(out.branches, base.branches):
+        assert np.array_equal(got.first_logits, want.first_logits), f"branch {got.index} logits"
+        assert got.token_ids == want.token_ids
+        assert len(got.token_ids) == 16 or got.stopped_on_eog
+        assert got.prompt_token_ids == want.prompt_token_ids
+    assert out.prefill_ms > 0 and out.snapshot_bytes > 0
+
+
+def test_shared_mode_matches_plain_runs(any_model, baselines, record_property):
+    base = baselines[any_model.path.name]
+    out = run_fanout(any_model, DOC, specs(QUESTIONS), mode="shared", keep_logits=True, **RUN)
+    diffs = [float(np.max(np.abs(g.first_logits - w.first_logits)))
+             for g, w in zip(out.branches, base.branches)]
+    same = sum(g.token_ids == w.token_ids for g, w in zip(out.branches, base.branches))
+    first_same = all(g.token_ids[:1] == w.token_ids[:1] for g, w in zip(out.branches, base.branches))
+    record_property("max_first_token_logit_diff", max(diffs))
+    print(f"\n{any_model.path.name}: shared vs plain: max first-token logit diff {max(diffs):.3g}, "
+          f"{same}/{len(QUESTIONS)} identical 16-token answers")
+    assert first_same
+    assert same / len(QUESTIONS) >= 0.9
+    assert all(b.fork_ms < 50 for b in out.branches)
+    assert out.prefill_ms > 0
+
+
+def test_branches_generate_real_answers(smol):
+    out = run_fanout(smol, DOC, specs(QUESTIONS[:2], max_tokens=24), **RUN)
+    for b in out.branches:
+        assert b.text.strip() and b.token_ids
+        assert b.activation_ms > 0 and b.ready_ms > 0
+
+
+@pytest.mark.parametrize("mode", ["shared", "copy"])
+def test_watermark_branch_starts_early_and_matches_plain_run(smol, mode):
+    half = 100
+    sp = [BranchSpec("What is this document?", max_tokens=8, watermark=half),
+          BranchSpec("Who is the Licensor?", max_tokens=8)]
+    out = run_fanout(smol, DOC, sp, mode=mode, **RUN)
+    base = run_baseline(smol, DOC, sp, **RUN)
+    early, late = out.branches
+    assert early.n_prefix_used == half and late.n_prefix_used == out.n_prefix
+    assert early.ready_ms < late.ready_ms
+    assert early.token_ids[:1] == base.branches[0].token_ids[:1]
+    assert late.token_ids[:1] == base.branches[1].token_ids[:1]
+    if mode == "copy":
+        assert early.token_ids == base.branches[0].token_ids
+
+
+def test_sampling_settings_are_per_branch(smol):
+    sp = [BranchSpec("What is this document?", max_tokens=12, temp=0.9, seed=7),
+          BranchSpec("What is this document?", max_tokens=12)]
+    a = run_fanout(smol, DOC, sp, **RUN)
+    b = run_fanout(smol, DOC, sp, **RUN)
+    assert a.branches[0].token_ids == b.branches[0].token_ids  # same seed, same draw
+    assert a.branches[1].token_ids == b.branches[1].token_ids  # greedy
+
+
+def test_invalid_specs_are_rejected(smol):
+    with pytest.raises(ValueError, match="watermark"):
+        run_fanout(smol, DOC, [BranchSpec("q", watermark=10**6)])
+    with pytest.raises(ValueError, match="max_tokens"):
+        run_fanout(smol, DOC, [BranchSpec("q", max_tokens=0)])
+    with pytest.raises(ValueError, match="mode"):
+        run_fanout(smol, DOC, [BranchSpec("q")], mode="fast")
+    with pytest.raises(ValueError, match="empty"):
+        run_fanout(smol, "   ", [BranchSpec("q")])
