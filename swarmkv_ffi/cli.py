@@ -93,6 +93,88 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# ---- fanout ----------------------------------------------------------------------------------
+def cmd_fanout(args) -> int:
+    from pathlib import Path
+
+    from .fanout import BranchSpec, run_fanout
+    from .model import Model
+    from .snapshot import Snapshot
+
+    doc_path = Path(args.doc)
+    if not doc_path.is_file():
+        raise errors.SwarmKVError(f"document not found: {doc_path}")
+    try:
+        document = doc_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise errors.SwarmKVError(f"{doc_path} is not UTF-8 text: {exc}") from exc
+    specs = [BranchSpec(q, max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p,
+                        seed=None if args.seed is None else args.seed + i)
+             for i, q in enumerate(args.ask)]
+    snapshot_in = Snapshot.load(args.snapshot_in) if args.snapshot_in else None
+    model = Model(catalog.resolve(args.model))
+    saved = []
+    bar = _progress_bar(args)
+    try:
+        result = run_fanout(model, document, specs, mode=args.mode, n_ctx=args.n_ctx,
+                            n_batch=args.n_batch, chat=not args.no_chat, kv_type=args.kv_type,
+                            snapshot_in=snapshot_in, progress=bar.update if bar else None,
+                            snapshot_out=saved.append if args.snapshot_out else None)
+    finally:
+        if bar:
+            bar.close()
+    if args.snapshot_out:
+        saved[0].save(args.snapshot_out)
+    if args.json:
+        doc = result.to_dict()
+        for b, out in zip(result.branches, doc["branches"]):
+            out["prompt_text"] = model.detokenize(b.prompt_token_ids, unparse_special=True)
+        doc["document"] = str(doc_path)
+        doc["snapshot_out"] = args.snapshot_out
+        print(json.dumps(doc, indent=2))
+    else:
+        _print_fanout(result, args)
+    model.close()
+    return 0
+
+
+def _progress_bar(args):
+    """A tqdm bar over prefill tokens, only when a person is watching stderr."""
+    if args.json or args.snapshot_in or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    class Bar:
+        def __init__(self):
+            self.bar, self.done = None, 0
+
+        def update(self, done, total):
+            if self.bar is None:
+                self.bar = tqdm(total=total, unit="tok", desc="prefill", file=sys.stderr, leave=False)
+            self.bar.update(done - self.done)
+            self.done = done
+
+        def close(self):
+            if self.bar is not None:
+                self.bar.close()
+
+    return Bar()
+
+
+def _print_fanout(result, args) -> None:
+    skipped = " (skipped: snapshot reused)" if result.prefill_skipped else ""
+    print(f"document: {args.doc}: {result.n_prefix} tokens, prefilled once in "
+          f"{result.prefill_ms:.0f} ms{skipped}; mode={result.mode}, n_ctx={result.n_ctx}, "
+          f"snapshot {result.snapshot_bytes / 2**20:.1f} MiB")
+    for b in result.branches:
+        print(f"\n[{b.index}] Q: {b.question}")
+        print(f"    A: {b.text.strip()}")
+        print(f"    fork {b.fork_ms:.2f} ms, first token {b.activation_ms:.0f} ms, decode "
+              f"{b.decode_ms:.0f} ms, {len(b.token_ids)} tokens, {b.tokens_per_s:.1f} tokens/s"
+              + (", stopped at end-of-generation" if b.stopped_on_eog else ""))
+    print(f"\nend-to-end {result.total_ms:.0f} ms for {len(result.branches)} branches")
+
+
 def _add_model_args(p, *, max_tokens=64):
     p.add_argument("--model", default=catalog.DEFAULT_MODEL,
                    help=f"short name ({', '.join(catalog.CATALOG)}) or path to a .gguf "
@@ -122,6 +204,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _add_model_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "fanout", help="prefill a document once and answer several questions over it",
+        description="Prefill --doc once, fork its KV cache to one branch per --ask, and answer "
+                    "every branch. shared mode (default) decodes all branches together in one "
+                    "context; copy mode restores a snapshot into a fresh context per branch.")
+    p.add_argument("--doc", required=True, help="UTF-8 text file to read once")
+    p.add_argument("--ask", action="append", required=True, metavar="TEXT",
+                   help="a question; repeat for more branches")
+    p.add_argument("--mode", choices=["shared", "copy"], default="shared",
+                   help="fork by sharing KV cells (default) or by copying a snapshot")
+    p.add_argument("--n-batch", type=int, default=512, help="prefill chunk size (default: 512)")
+    p.add_argument("--kv-type", default="q8_0", choices=["q8_0", "f16", "f32", "q4_0"],
+                   help="KV cache type (default q8_0: half the memory of f16, and shared-mode "
+                        "branches match plain runs exactly on the CPU backend)")
+    p.add_argument("--no-chat", action="store_true",
+                   help="plain 'document / Question: / Answer:' prompts instead of the chat template")
+    p.add_argument("--snapshot-out", metavar="FILE", help="save the document's KV snapshot")
+    p.add_argument("--snapshot-in", metavar="FILE", help="reuse a saved snapshot; skips the prefill")
+    _add_model_args(p)
+    p.epilog = "--seed S gives branch i the seed S+i."
+    p.set_defaults(func=cmd_fanout)
     return parser
 
 
@@ -130,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     try:
         return args.func(args)
-    except (errors.SwarmKVError, ValueError) as exc:
+    except (errors.SwarmKVError, ValueError, FileNotFoundError) as exc:
         print(f"swarmkv: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

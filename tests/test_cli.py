@@ -51,3 +51,46 @@ def test_bad_model_is_a_clear_error(tmp_path):
 def test_help_explains_commands():
     out = swarmkv("--help").stdout
     assert "generate" in out and "info" in out
+
+
+@pytest.fixture(scope="module")
+def short_doc(tmp_path_factory):
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / "examples" / "apache-2.0.txt").read_text()[:1200]
+    path = tmp_path_factory.mktemp("doc") / "doc.txt"
+    path.write_text(text)
+    return path
+
+
+def test_fanout_json_and_snapshot_roundtrip(short_doc, tmp_path):
+    snap = tmp_path / "doc.swkv"
+    args = ["fanout", "--doc", str(short_doc), "--ask", "What is this?", "--ask", "Who is the Licensor?",
+            "--max-tokens", "6", "--json"]
+    first = json.loads(swarmkv(*args, "--snapshot-out", str(snap)).stdout)
+    assert snap.exists() and first["prefill_ms"] > 0 and not first["prefill_skipped"]
+    assert len(first["branches"]) == 2
+    for b in first["branches"]:
+        assert b["prompt_token_ids"] and b["prompt_text"].endswith("assistant\n")
+        assert b["token_ids"] and b["text"]
+        for key in ("fork_ms", "activation_ms", "decode_ms", "tokens_per_s"):
+            assert key in b
+    again = json.loads(swarmkv(*args, "--snapshot-in", str(snap), "--mode", "copy").stdout)
+    assert again["prefill_skipped"] and again["prefill_ms"] == 0
+    assert [b["token_ids"] for b in again["branches"]] == [b["token_ids"] for b in first["branches"]]
+
+
+def test_fanout_text_output(short_doc):
+    out = swarmkv("fanout", "--doc", str(short_doc), "--ask", "What is this?", "--max-tokens", "4").stdout
+    assert "prefilled once" in out and "[0] Q: What is this?" in out and "first token" in out
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--doc", "/no/such/file.txt", "--ask", "q"], "document not found"),
+    (["--ask", "q", "--n-ctx", "300"], "context budget exceeded"),
+    (["--ask", "q", "--snapshot-in", "/no/such.swkv"], "snapshot file not found"),
+])
+def test_fanout_bad_input_is_one_clear_line(short_doc, extra, message):
+    args = ["fanout"] + (extra if "--doc" in extra else ["--doc", str(short_doc)] + extra)
+    proc = swarmkv(*args, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
