@@ -175,6 +175,11 @@ def _print_fanout(result, args) -> None:
     print(f"\nend-to-end {result.total_ms:.0f} ms for {len(result.branches)} branches")
 
 
+def cmd_bench(args) -> int:
+    from .bench import fanout
+    return {"fanout": fanout.main}[args.which](args.rest)
+
+
 def _add_model_args(p, *, max_tokens=64):
     p.add_argument("--model", default=catalog.DEFAULT_MODEL,
                    help=f"short name ({', '.join(catalog.CATALOG)}) or path to a .gguf "
@@ -226,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.epilog = "--seed S gives branch i the seed S+i."
     p.set_defaults(func=cmd_fanout)
+
+    p = sub.add_parser("bench", help="benchmarks (fanout); `swarmkv bench fanout --help`",
+                       add_help=False)
+    p.add_argument("which", choices=["fanout"], help="which benchmark")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="its own options")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

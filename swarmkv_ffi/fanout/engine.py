@@ -18,13 +18,15 @@ def run_fanout(model: Model, document: str, specs: list[BranchSpec], *, mode: st
                kv_type: str = "q8_0", flash_attn: str = "on",
                snapshot_in: Snapshot | None = None, snapshot_out: Callable[[Snapshot], None] | None = None,
                progress: Callable[[int, int], None] | None = None, keep_logits: bool = False,
-               branch_workers: int = 1, timeout: float | None = 3600.0) -> FanoutResult:
+               branch_workers: int = 1, serialize: bool = False,
+               timeout: float | None = 3600.0) -> FanoutResult:
     """Answer every branch over one prefill of `document`.
 
     snapshot_in: reuse a snapshot of this document (its tokens must match) and skip the
     prefill. snapshot_out: called with the document's snapshot once the prefill is done.
     progress(done, total): prefill progress in tokens. branch_workers: copy-mode branches
-    that may run at once (each in its own context).
+    that may run at once (each in its own context). serialize: shared mode decodes the
+    branches one at a time instead of together (to measure what batching buys).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -34,7 +36,7 @@ def run_fanout(model: Model, document: str, specs: list[BranchSpec], *, mode: st
         check_snapshot_document(snapshot_in, plan.layout)
     dag = Dag()
     if mode == "shared":
-        dag.add("shared", lambda _: run_shared(plan, snapshot_in, snapshot_out, progress, keep_logits))
+        dag.add("shared", lambda _: run_shared(plan, snapshot_in, snapshot_out, progress, keep_logits, serialize))
         results = dag.run(max_workers=1, timeout=timeout)["shared"]
         branches, prefill_ms, snapshot_bytes = results
     else:

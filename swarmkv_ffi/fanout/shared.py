@@ -50,8 +50,8 @@ class _Live:
         self.sampler.close()
 
 
-def run_shared(plan: Plan, snapshot_in, snapshot_out, progress, keep_logits):
-    model, lay = plan.model, plan.layout
+def run_shared(plan: Plan, snapshot_in, snapshot_out, progress, keep_logits, serialize=False):
+    lay = plan.layout
     n, n_branches = lay.n_prefix, len(plan.specs)
     if n_branches + 1 > library.lib().llama_max_parallel_sequences():
         raise BudgetError(f"shared mode holds one sequence per branch plus the document: "
@@ -74,42 +74,54 @@ def run_shared(plan: Plan, snapshot_in, snapshot_out, progress, keep_logits):
         while waiting or live or done < n:
             while waiting and plan.watermarks[waiting[0]] <= done:
                 live.append(fork(ctx, plan, waiting.pop(0), results, ready_at))
-            batch.clear()
-            stop = done
-            if done < n:
-                stop = next(stops)
-                batch.add_sequence(lay.prefix[done:stop], done, 0, logits_last=False)
-            for b in live:  # a new branch's whole prompt, or a running branch's last token
-                if len(b.pending):
-                    b.row = batch.add_sequence(b.pending, b.pos, b.seq, logits_last=True)
-                    b.pos += len(b.pending)
-                    b.pending = b.pending[:0]
-                else:
-                    b.row = batch.add(b.res.token_ids[-1], b.pos, (b.seq,), logits=True)
-                    b.pos += 1
-            ctx.decode(batch)
-            if stop != done:
-                done = stop
-                ready_at[done] = plan.ms()
-                if progress:
-                    progress(done, n)
-                if done == n:
-                    prefill_ms = ready_at[done] - t_prefill
-                    snapshot_bytes = ctx.seq_state_size(0)
-                    if snapshot_out is not None:
-                        snapshot_out(Snapshot.capture(ctx, 0, lay.prefix))
-            for b in list(live):
-                token = b.sampler.sample(ctx, b.row)
-                if not b.res.token_ids and not b.res.stopped_on_eog:
-                    b.first_at = plan.ms()
-                    b.res.activation_ms = b.first_at - b.res.ready_ms
-                    if keep_logits:
-                        b.res.first_logits = ctx.logits(b.row).copy()
-                if b.push(model, token):
-                    b.finish(plan.ms())
-                    ctx.seq_rm(b.seq)  # frees the branch's own cells; shared ones stay with seq 0
-                    live.remove(b)
+            stop = next(stops) if done < n else done
+            # One decode for the prefill chunk and every branch; serialize=True decodes them
+            # one after another instead (the original's global-mutex behaviour, for benchmarks).
+            groups = [[None] + live] if not serialize else [[None]] + [[b] for b in live]
+            for group in groups:
+                batch.clear()
+                for b in group:
+                    if b is None:
+                        if stop != done:
+                            batch.add_sequence(lay.prefix[done:stop], done, 0, logits_last=False)
+                    elif len(b.pending):  # a new branch's whole prompt
+                        b.row = batch.add_sequence(b.pending, b.pos, b.seq, logits_last=True)
+                        b.pos += len(b.pending)
+                        b.pending = b.pending[:0]
+                    else:  # a running branch's last token
+                        b.row = batch.add(b.res.token_ids[-1], b.pos, (b.seq,), logits=True)
+                        b.pos += 1
+                if batch.n_tokens == 0:
+                    continue
+                ctx.decode(batch)
+                if group[0] is None and stop != done:
+                    done = stop
+                    ready_at[done] = plan.ms()
+                    if progress:
+                        progress(done, n)
+                    if done == n:
+                        prefill_ms = ready_at[done] - t_prefill
+                        snapshot_bytes = ctx.seq_state_size(0)
+                        if snapshot_out is not None:
+                            snapshot_out(Snapshot.capture(ctx, 0, lay.prefix))
+                for b in group:
+                    if b is not None:
+                        sample(ctx, plan, b, live, keep_logits)
     return results, prefill_ms, snapshot_bytes
+
+
+def sample(ctx, plan: Plan, b: _Live, live: list[_Live], keep_logits: bool) -> None:
+    """Sample b's next token from its row of the last decode; retire b when it is done."""
+    token = b.sampler.sample(ctx, b.row)
+    if not b.res.token_ids and not b.res.stopped_on_eog:
+        b.first_at = plan.ms()
+        b.res.activation_ms = b.first_at - b.res.ready_ms
+        if keep_logits:
+            b.res.first_logits = ctx.logits(b.row).copy()
+    if b.push(plan.model, token):
+        b.finish(plan.ms())
+        ctx.seq_rm(b.seq)  # frees the branch's own cells; shared ones stay with seq 0
+        live.remove(b)
 
 
 def fork(ctx, plan: Plan, i: int, results: list[BranchResult], ready_at: dict) -> _Live:

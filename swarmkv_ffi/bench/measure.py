@@ -1,0 +1,88 @@
+"""Measuring helpers shared by the benchmarks: peak RSS while a function runs, documents
+of an exact token length, and the machine's name for result folders."""
+from __future__ import annotations
+
+import os
+import platform
+import threading
+from pathlib import Path
+
+import numpy as np
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Samples this process's RSS every `interval` seconds while in the `with` block;
+    `.peak_delta` is the highest RSS seen minus the RSS at entry."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval, self.start, self.peak = interval, 0, 0
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        self.start = self.peak = rss_bytes()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+    @property
+    def peak_delta(self) -> int:
+        return self.peak - self.start
+
+
+def document_of(model, n_tokens: int, source: str | None = None) -> str:
+    """Real text of about `n_tokens` tokens: the example licences, repeated if needed, cut
+    at a token boundary."""
+    text = source or "\n\n".join((EXAMPLES / name).read_text() for name in ("gpl-3.0.txt", "apache-2.0.txt"))
+    tokens = model.tokenize(text, add_special=False)
+    repeats = -(-n_tokens // len(tokens))
+    return model.detokenize(np.tile(tokens, repeats)[:n_tokens])
+
+
+def cpu_name() -> str:
+    """A folder-friendly name of this machine's CPU."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    keep = "".join(c if c.isalnum() else "-" for c in name)
+    return "-".join(p for p in keep.split("-") if p)[:48]
+
+
+QUESTIONS = [
+    "What does this document cover?",
+    "Can I sell copies of the software?",
+    "What must I do when I distribute copies?",
+    "What happens if I violate the terms?",
+    "Does this grant any patent rights?",
+    "Can I modify the software?",
+    "What is the warranty?",
+    "Who is liable for damages?",
+    "What is the source code?",
+    "Can I combine this with other software?",
+    "What is a derivative work?",
+    "How do I apply these terms to my program?",
+    "Can the license be revoked?",
+    "What are the conditions for conveying copies?",
+    "Does this cover installation information?",
+    "What is the definition of a covered work?",
+]
