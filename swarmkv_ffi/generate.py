@@ -26,6 +26,7 @@ class Generation:
     first_token_ms: float = 0.0  # from the call to the first sampled token
     decode_ms: float = 0.0       # from the end of the prompt to the last token
     first_logits: np.ndarray | None = None  # logits the first token was sampled from
+    cancelled: bool = False      # should_stop() said so before the answer was complete
 
     @property
     def tokens_per_s(self) -> float:
@@ -48,9 +49,11 @@ class TextStream:
 
 def generate(ctx: Context, prompt_tokens, *, max_tokens: int = 64, sampler: Sampler | None = None,
              seq_id: int = 0, pos0: int = 0, on_text: Callable[[str], None] | None = None,
-             keep_first_logits: bool = False) -> Generation:
+             keep_first_logits: bool = False,
+             should_stop: Callable[[], bool] | None = None) -> Generation:
     """Decode `prompt_tokens` at positions pos0…, then sample up to `max_tokens` tokens,
-    stopping at end-of-generation. `on_text` receives text as it is produced."""
+    stopping at end-of-generation. `on_text` receives text as it is produced; `should_stop`
+    is asked before each token and ends the loop early (Generation.cancelled)."""
     prompt = np.asarray(prompt_tokens, dtype=np.int32)
     if len(prompt) == 0:
         raise ValueError("generate needs at least one prompt token")
@@ -68,6 +71,9 @@ def generate(ctx: Context, prompt_tokens, *, max_tokens: int = 64, sampler: Samp
         step = Batch(1)
         pos = pos0 + len(prompt)
         for i in range(max_tokens):
+            if should_stop is not None and should_stop():
+                out.cancelled = True
+                break
             if i == 0 and keep_first_logits:
                 out.first_logits = ctx.logits(row).copy()
             token = sampler.sample(ctx, row)

@@ -1,0 +1,113 @@
+"""Device memory, read live: NVML when a GPU is visible, else the host's memory.
+
+Read again on a timer and at every admission, so memory other processes take shrinks the
+budget: budget = admission_percent of the total, minus what others use, or a fixed
+--budget-bytes when given.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class MemoryReading:
+    source: str       # "nvml", "host" or "budget"
+    device: str
+    total: int
+    used: int
+    free: int
+    own: int          # bytes this process uses on that device
+    at: float
+
+    @property
+    def others(self) -> int:
+        return max(0, self.used - self.own)
+
+
+def _host_reading() -> MemoryReading:
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            info[key] = int(value.split()[0]) * 1024
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        own = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    total, free = info["MemTotal"], info.get("MemAvailable", info["MemFree"])
+    return MemoryReading("host", "host RAM", total, total - free, free, own, time.time())
+
+
+class DeviceMemory:
+    """Live memory figures for one device; refresh() re-reads them."""
+
+    def __init__(self, device: int = 0, budget_bytes: int | None = None,
+                 admission_percent: float = 90.0, refresh_s: float = 2.0):
+        if not 0 < admission_percent <= 100:
+            raise ValueError(f"admission percent must be in (0, 100], got {admission_percent}")
+        if budget_bytes is not None and budget_bytes <= 0:
+            raise ValueError(f"--budget-bytes must be positive, got {budget_bytes}")
+        self.device, self.budget_bytes, self.percent = device, budget_bytes, admission_percent
+        self._nvml = self._open_nvml(device)
+        self._lock = threading.Lock()
+        self.reading = self._read()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(refresh_s,), daemon=True, name="nvml")
+        self._thread.start()
+
+    @staticmethod
+    def _open_nvml(device: int):
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+        except Exception:
+            return None  # no driver: the host's memory is the budget
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+        except Exception:
+            return None
+        if count == 0:
+            return None
+        if not 0 <= device < count:
+            raise ValueError(f"--device {device}: NVML sees {count} device(s)")
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(device)
+
+    def _read(self) -> MemoryReading:
+        if self._nvml is None:
+            return _host_reading()
+        pynvml, handle = self._nvml
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        own = 0
+        try:
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid == os.getpid() and proc.usedGpuMemory:
+                    own += proc.usedGpuMemory
+        except Exception:
+            pass
+        name = pynvml.nvmlDeviceGetName(handle)
+        name = name.decode() if isinstance(name, bytes) else name
+        return MemoryReading("nvml", name, mem.total, mem.used, mem.free, own, time.time())
+
+    def refresh(self) -> MemoryReading:
+        reading = self._read()
+        with self._lock:
+            self.reading = reading
+        return reading
+
+    def _loop(self, every: float) -> None:
+        while not self._stop.wait(every):
+            try:
+                self.refresh()
+            except Exception:
+                pass
+
+    def budget(self) -> int:
+        """Bytes the ledger may hand out now (read live)."""
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        r = self.refresh()
+        return max(0, int(r.total * self.percent / 100) - r.others)
+
+    def close(self) -> None:
+        self._stop.set()

@@ -1,0 +1,138 @@
+"""The lmxd line protocol: one UTF-8 request per line, replies made of lines.
+
+Reply shape: `OK schema=lmx-daemon/1`, `OK invoke=VERB …`, more `OK key=value …` lines,
+an optional body between BEGIN_RESPONSE and END_RESPONSE, and a final `OK done`. An
+error is one final line: `ERR <CODE> <details>`. Body lines that are exactly
+END_RESPONSE or start with "." get one extra leading "." (dot-stuffing, as in SMTP).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEMA = "lmx-daemon/1"
+FINAL_OK = "OK done"
+
+ERROR_CODES = {
+    "BAD_REQUEST": "malformed request: wrong argument count, bad number, empty line",
+    "BAD_ENCODING": "the line is not UTF-8 text",
+    "UNKNOWN_VERB": "the first word is not a verb listed here",
+    "LINE_TOO_LONG": "the line exceeds the daemon's cap (default 64 KiB); it was discarded",
+    "UNKNOWN_AGENT": "no agent with that id",
+    "UNKNOWN_MODEL": "the model is neither a known short name nor an existing file",
+    "DUPLICATE_AGENT": "an agent with that id is already registered",
+    "VRAM_LEDGER_DENY": "code=CAP: the agent does not fit the memory budget (numbers follow)",
+    "MODEL_LOAD_FAILED": "the model file or its context could not be loaded",
+    "CONTEXT_FULL": "the conversation would exceed the agent's n_ctx; RESET it",
+    "FORBIDDEN": "the connecting user may not use this daemon",
+    "INTERNAL": "an unexpected failure; the daemon logged it and keeps running",
+}
+
+HELP = [
+    "HELP                                   this text",
+    "STATUS                                 ledger, live device memory, models, uptime",
+    "LIST                                   one line per agent",
+    "REGISTER <agent_id> <model> [n_ctx=N]  admit an agent (model: short name or path)",
+    "UNREGISTER <agent_id>                  remove an agent, free its reservation",
+    "DECODE <agent_id> <max_tokens> <prompt...>  continue the agent's conversation",
+    "RESET <agent_id>                       clear the agent's conversation",
+    "agent ids: 1-64 of [A-Za-z0-9_.:-]; model paths may not contain whitespace",
+]
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Request:
+    verb: str
+    args: dict
+
+
+def _int(name: str, text: str) -> int:
+    try:
+        return int(text, 10)
+    except ValueError:
+        raise ProtocolError("BAD_REQUEST", f"{name} must be an integer, got {text[:32]!r}") from None
+
+
+def _arity(verb: str, parts: list[str], n: int, usage: str) -> None:
+    if len(parts) != n:
+        raise ProtocolError("BAD_REQUEST", f"usage: {usage}")
+
+
+def parse(raw: bytes) -> Request:
+    """One request line (without its newline) → Request, or ProtocolError."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError("BAD_ENCODING", "request is not UTF-8") from None
+    line = line.rstrip("\r")
+    if not line.strip():
+        raise ProtocolError("BAD_REQUEST", "empty request line (try HELP)")
+    if any(ord(c) < 32 and c != "\t" for c in line):
+        raise ProtocolError("BAD_REQUEST", "control characters in request")
+    verb, _, rest = line.strip().partition(" ")
+    verb = verb.upper()
+    if verb in ("HELP", "STATUS", "LIST"):
+        if rest.strip():
+            raise ProtocolError("BAD_REQUEST", f"usage: {verb}")
+        return Request(verb, {})
+    if verb == "REGISTER":
+        parts = rest.split()
+        if len(parts) not in (2, 3):
+            raise ProtocolError("BAD_REQUEST", "usage: REGISTER <agent_id> <model> [n_ctx=N]")
+        args = {"agent_id": parts[0], "model": parts[1], "n_ctx": 2048}
+        if len(parts) == 3:
+            key, eq, value = parts[2].partition("=")
+            if key != "n_ctx" or not eq:
+                raise ProtocolError("BAD_REQUEST", f"unknown option {parts[2][:32]!r} (only n_ctx=N)")
+            args["n_ctx"] = _int("n_ctx", value)
+        return Request(verb, args)
+    if verb in ("UNREGISTER", "RESET"):
+        parts = rest.split()
+        _arity(verb, parts, 1, f"{verb} <agent_id>")
+        return Request(verb, {"agent_id": parts[0]})
+    if verb == "DECODE":
+        parts = rest.split(" ", 2)
+        if len(parts) < 3 or not parts[2].strip():
+            raise ProtocolError("BAD_REQUEST", "usage: DECODE <agent_id> <max_tokens> <prompt...>")
+        return Request(verb, {"agent_id": parts[0], "max_tokens": _int("max_tokens", parts[1]),
+                              "prompt": parts[2]})
+    raise ProtocolError("UNKNOWN_VERB", f"unknown verb {verb[:32]!r} (try HELP)")
+
+
+def kv(**pairs) -> str:
+    """'key=value key=value', booleans lower-case, None as '-'."""
+    def fmt(v):
+        if isinstance(v, bool):
+            return str(v).lower()
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3f}"
+        return str(v)
+    return " ".join(f"{k}={fmt(v)}" for k, v in pairs.items())
+
+
+def ok(verb: str, lines: list[str], body: str | None = None, **invoke) -> str:
+    out = [f"OK schema={SCHEMA}", "OK " + " ".join([f"invoke={verb}"] + ([kv(**invoke)] if invoke else []))]
+    out += [f"OK {line}" for line in lines]
+    if body is not None:
+        out.append("BEGIN_RESPONSE")
+        for line in body.split("\n"):
+            out.append("." + line if line == "END_RESPONSE" or line.startswith(".") else line)
+        out.append("END_RESPONSE")
+    out.append(FINAL_OK)
+    return "\n".join(out) + "\n"
+
+
+def err(code: str, message: str) -> str:
+    return f"ERR {code} {' '.join(message.split())}\n"
+
+
+def help_reply() -> str:
+    lines = HELP + [f"error {code}: {meaning}" for code, meaning in ERROR_CODES.items()]
+    return ok("HELP", [], body="\n".join(lines))

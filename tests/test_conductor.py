@@ -1,0 +1,344 @@
+"""lmxd end to end: a real daemon on a temporary socket, driven by the client and by raw
+socket lines. Every wait is bounded (pytest-timeout plus socket timeouts)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from swarmkv_ffi.conductor.client import LmxClient, LmxError
+
+pytestmark = pytest.mark.timeout(600)
+
+
+class Daemon:
+    def __init__(self, tmp: Path, *args: str):
+        self.path = tmp / "lmx.sock"
+        self.log = (tmp / "lmxd.log").open("w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "swarmkv_ffi.conductor.server",
+                                      "--socket", str(self.path), "--threads", "1", *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while not self._answers():  # the path may pre-exist (a stale socket): wait for a listener
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"lmxd did not start: {self.logs()}")
+            time.sleep(0.05)
+
+    def _answers(self) -> bool:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(str(self.path))
+            return True
+        except OSError:
+            return False
+        finally:
+            s.close()
+
+    def client(self) -> LmxClient:
+        return LmxClient(str(self.path), timeout=300)
+
+    def raw_socket(self) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(120)
+        s.connect(str(self.path))
+        return s
+
+    def logs(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            return self.proc.wait(timeout=60)
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("lmxd"))
+    yield d
+    assert d.stop() == 0
+    assert not d.path.exists(), "socket not removed on SIGTERM"
+
+
+@pytest.fixture(scope="module")
+def agents(daemon):
+    with daemon.client() as c:
+        a = c.register("smol", "smollm2-135m", n_ctx=512)["fields"]
+        b = c.register("gem", "gemma3-270m", n_ctx=512)["fields"]
+        s = c.register("smol2", "smollm2-135m", n_ctx=512)["fields"]
+    return a, b, s
+
+
+def allocated(client) -> int:
+    return int(client.status()["fields"]["ledger_allocated_bytes"])
+
+
+def test_register_two_models_and_share_weights(daemon, agents):
+    smol, gem, smol2 = agents
+    assert smol["shared_weights"] == "false" and smol2["shared_weights"] == "true"
+    assert smol2["model_refcount"] == "2"
+    assert int(smol["estimate_bytes"]) > int(smol["weights_bytes"]) > 0 and smol["estimate_source"] == "gguf"
+    with daemon.client() as c:
+        status = c.status()
+        models = [l for l in status["lines"] if l.startswith("OK model path=")]
+        assert len(models) == 2 and any("refcount=2" in l for l in models)
+        ids = {a["agent_id"]: a for a in c.list()}
+        assert set(ids) == {"smol", "gem", "smol2"}
+
+
+def test_socket_is_private(daemon):
+    assert stat.S_IMODE(daemon.path.stat().st_mode) == 0o600
+
+
+def test_decode_reply_has_the_spec_shape(daemon, agents):
+    with daemon.client() as c:
+        lines = c.raw("DECODE smol 6 Once upon a time")
+    assert lines[0] == "OK schema=lmx-daemon/1"
+    assert lines[1] == "OK invoke=DECODE agent_id=smol"
+    assert re.fullmatch(r"OK prompt_tokens=\d+ generated_tokens=\d+ stopped_on_eos=(true|false)", lines[2])
+    assert re.fullmatch(r"OK elapsed_ms=\d+\.\d+", lines[3])
+    assert re.fullmatch(r"OK kv_swap_evicted=\S+ kv_swap_restored=(true|false)", lines[4])
+    assert lines[5] == "BEGIN_RESPONSE" and "END_RESPONSE" in lines and lines[-1] == "OK done"
+
+
+def test_interrupted_conversation_matches_uninterrupted(daemon, agents):
+    """Swaps (evict to host RAM, restore) must not change what an agent says."""
+    with daemon.client() as c:
+        c.register("alone", "smollm2-135m", n_ctx=512)
+        c.register("busy", "smollm2-135m", n_ctx=512)
+        try:
+            solo = [c.decode("alone", 8, "The fox said")["text"], c.decode("alone", 8, "and then")["text"]]
+            first = c.decode("busy", 8, "The fox said")
+            other = c.decode("gem", 4, "Hello")  # evicts busy
+            assert other["fields"]["kv_swap_evicted"] == "busy"
+            c.decode("smol2", 4, "Meanwhile")
+            second = c.decode("busy", 8, "and then")  # restores busy
+            assert second["fields"]["kv_swap_restored"] == "true"
+            assert [first["text"], second["text"]] == solo
+            busy = next(a for a in c.list() if a["agent_id"] == "busy")
+            assert busy["state"] == "active" and int(busy["tokens"]) > 16
+            suspended = [a for a in c.list() if a["state"] == "suspended"]
+            assert suspended and all(int(a["kv_host_bytes"]) > 0 for a in suspended)
+        finally:
+            c.unregister("alone")
+            c.unregister("busy")
+
+
+def test_reset_clears_the_conversation(daemon, agents):
+    with daemon.client() as c:
+        c.decode("smol2", 4, "Hello there")
+        c.reset("smol2")
+        assert next(a for a in c.list() if a["agent_id"] == "smol2")["tokens"] == "0"
+
+
+def test_context_full_is_an_error_not_a_crash(daemon, agents):
+    with daemon.client() as c:
+        with pytest.raises(LmxError) as info:
+            c.decode("smol2", 4000, "x")
+        assert info.value.code == "BAD_REQUEST" or info.value.code == "CONTEXT_FULL"
+        with pytest.raises(LmxError) as info:
+            c.decode("smol2", 500, "word " * 100)
+        assert info.value.code == "CONTEXT_FULL"
+
+
+@pytest.mark.parametrize("line,code", [
+    (b"\xff\xfe\x00garbage", "BAD_ENCODING"),
+    (b"", "BAD_REQUEST"),
+    (b"   ", "BAD_REQUEST"),
+    (b"LAUNCH missiles", "UNKNOWN_VERB"),
+    (b"DECODE smol many words", "BAD_REQUEST"),
+    (b"DECODE smol 0 hi", "BAD_REQUEST"),
+    (b"DECODE smol -5 hi", "BAD_REQUEST"),
+    (b"REGISTER x", "BAD_REQUEST"),
+    (b"REGISTER x smollm2-135m n_ctx=lots", "BAD_REQUEST"),
+    (b"REGISTER x smollm2-135m batch=4", "BAD_REQUEST"),
+    (b"REGISTER bad/id smollm2-135m", "BAD_REQUEST"),
+    (b"REGISTER x /no/such/model.gguf", "UNKNOWN_MODEL"),
+    (b"REGISTER smol smollm2-135m", "DUPLICATE_AGENT"),
+    (b"UNREGISTER ghost", "UNKNOWN_AGENT"),
+    (b"DECODE ghost 4 hi", "UNKNOWN_AGENT"),
+    (b"STATUS now", "BAD_REQUEST"),
+])
+def test_bad_input_gets_err_and_connection_stays_usable(daemon, agents, line, code):
+    with daemon.client() as c:
+        reply = c.raw(line)
+        assert reply[-1].startswith(f"ERR {code}"), reply
+        assert c.raw("HELP")[-1] == "OK done"
+
+
+def test_not_a_gguf_fails_to_load_and_unwinds(daemon, agents, tmp_path):
+    bad = tmp_path / "fake.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with daemon.client() as c:
+        before = allocated(c)
+        with pytest.raises(LmxError) as info:
+            c.register("fake", str(bad))
+        assert info.value.code == "MODEL_LOAD_FAILED"
+        assert allocated(c) == before
+        assert "fake" not in {a["agent_id"] for a in c.list()}
+
+
+def test_line_too_long_is_skipped(daemon, agents):
+    s = daemon.raw_socket()
+    f = s.makefile("rb")
+    s.sendall(b"DECODE smol 4 " + b"a" * (70 * 1024) + b"\nHELP\n")
+    assert f.readline().startswith(b"ERR LINE_TOO_LONG")
+    lines = []
+    while not lines or lines[-1] != b"OK done\n":
+        lines.append(f.readline())
+    assert lines[1] == b"OK invoke=HELP\n"
+    s.close()
+
+
+def test_status_and_list_answer_during_a_decode(daemon, agents):
+    done = threading.Event()
+
+    def long_decode():
+        with daemon.client() as c:
+            c.decode("smol", 120, "Write a long story about a fox.")
+        done.set()
+
+    t = threading.Thread(target=long_decode)
+    t.start()
+    time.sleep(0.5)
+    with daemon.client() as c:
+        t0 = time.perf_counter()
+        c.status()
+        c.list()
+        quick = time.perf_counter() - t0
+    assert not done.is_set(), "the decode finished too soon to tell"
+    assert quick < 2.0
+    t.join(timeout=300)
+    with daemon.client() as c:
+        c.reset("smol")
+
+
+def test_disconnect_mid_decode_leaves_conversation_unchanged(daemon, agents):
+    with daemon.client() as c:
+        c.reset("smol2")
+        c.decode("smol2", 4, "Start")
+        tokens_before = next(a for a in c.list() if a["agent_id"] == "smol2")["tokens"]
+    s = daemon.raw_socket()
+    s.sendall(b"DECODE smol2 200 Tell me everything about foxes\n")
+    time.sleep(0.3)
+    s.close()
+    time.sleep(1.0)
+    with daemon.client() as c:
+        c.status()  # the daemon is alive
+        reply = c.decode("smol2", 2, "again")  # waits for the abandoned decode to stop
+        agent = next(a for a in c.list() if a["agent_id"] == "smol2")
+        assert int(agent["tokens"]) == int(tokens_before) + int(reply["fields"]["prompt_tokens"]) + 2
+    assert "DECODE smol2" in daemon.logs()
+
+
+def test_second_daemon_on_same_socket_refuses(daemon):
+    proc = subprocess.run([sys.executable, "-m", "swarmkv_ffi.conductor.server", "--socket", str(daemon.path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "already serving" in proc.stderr
+
+
+def test_stale_socket_is_reclaimed(tmp_path):
+    path = tmp_path / "lmx.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.close()  # the file stays, nobody listens
+    d = Daemon(tmp_path)
+    try:
+        with d.client() as c:
+            assert c.raw("HELP")[-1] == "OK done"
+    finally:
+        assert d.stop() == 0
+
+
+def test_budget_denial_is_exact_and_changes_nothing(tmp_path):
+    d = Daemon(tmp_path, "--budget-bytes", "250000000")
+    try:
+        with d.client() as c:
+            c.register("one", "smollm2-135m", n_ctx=512)
+            before = c.status()["fields"]
+            lines = c.raw("REGISTER two gemma3-270m n_ctx=512")
+            after = c.status()["fields"]
+    finally:
+        d.stop()
+    assert re.fullmatch(r"ERR VRAM_LEDGER_DENY code=CAP ledger_max_bytes=250000000 "
+                        rf"ledger_allocated_bytes={before['ledger_allocated_bytes']} "
+                        r"request_table_bytes=\d+", lines[-1]), lines
+    assert after["ledger_allocated_bytes"] == before["ledger_allocated_bytes"]
+    assert after["agents"] == "1"
+
+
+def test_concurrent_clients_never_overshoot_and_end_at_zero(tmp_path):
+    cap = 400_000_000  # room for a few SmolLM2 agents, not for sixteen
+    d = Daemon(tmp_path, "--budget-bytes", str(cap))
+    errors, seen_max = [], []
+
+    def worker(k: int):
+        try:
+            with d.client() as c:
+                for i in range(3):
+                    try:
+                        c.register(f"w{k}-{i}", "smollm2-135m", n_ctx=256)
+                        registered = True
+                    except LmxError as exc:
+                        assert exc.code == "VRAM_LEDGER_DENY", exc
+                        registered = False
+                    f = c.status()["fields"]
+                    seen_max.append(int(f["ledger_allocated_bytes"]))
+                    assert int(f["ledger_allocated_bytes"]) <= cap
+                    if registered:
+                        c.unregister(f"w{k}-{i}")
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(16)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=500)
+        assert not any(t.is_alive() for t in threads)
+        assert not errors, errors[:3]
+        with d.client() as c:
+            f = c.status()["fields"]
+            assert f["ledger_allocated_bytes"] == "0" and f["agents"] == "0"
+            assert not [l for l in c.status()["lines"] if l.startswith("OK model path=")]
+    finally:
+        d.stop()
+    assert max(seen_max) <= cap
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"  # readable by other users, unlike a venv under /root
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
+                    reason="needs root and a system python to connect as another uid")
+def test_other_users_are_refused_unless_allowed():
+    import shutil
+    import tempfile
+    tmp_path = Path(tempfile.mkdtemp(prefix="lmxd-uid-", dir="/tmp"))  # pytest's tmp is 0700
+    os.chmod(tmp_path, 0o755)
+    d = Daemon(tmp_path, "--allow-uid", "12345")
+    code = ("import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+            "s.sendall(b'HELP\\n'); print(s.makefile().readline().strip())")
+
+    def as_uid(uid):
+        return subprocess.run([SYSTEM_PYTHON, "-c", code, str(d.path)], capture_output=True, text=True,
+                              timeout=60, preexec_fn=lambda: os.setuid(uid)).stdout.strip()
+    try:
+        assert as_uid(65534).startswith("ERR FORBIDDEN")
+        assert as_uid(12345) == "OK schema=lmx-daemon/1"
+        assert stat.S_IMODE(d.path.stat().st_mode) == 0o666
+    finally:
+        d.stop()
+        shutil.rmtree(tmp_path, ignore_errors=True)
