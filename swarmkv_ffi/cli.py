@@ -176,8 +176,8 @@ def _print_fanout(result, args) -> None:
 
 
 def cmd_bench(args) -> int:
-    from .bench import fanout
-    return {"fanout": fanout.main}[args.which](args.rest)
+    from .bench import conductor, fanout
+    return {"fanout": fanout.main, "conductor": conductor.main}[args.which](args.rest)
 
 
 def _add_model_args(p, *, max_tokens=64):
@@ -232,9 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.epilog = "--seed S gives branch i the seed S+i."
     p.set_defaults(func=cmd_fanout)
 
-    p = sub.add_parser("bench", help="benchmarks (fanout); `swarmkv bench fanout --help`",
-                       add_help=False)
-    p.add_argument("which", choices=["fanout"], help="which benchmark")
+    p = sub.add_parser("bench", help="benchmarks: `swarmkv bench fanout|conductor --help`")
+    p.add_argument("which", choices=["fanout", "conductor"], help="which benchmark")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="its own options")
     p.set_defaults(func=cmd_bench)
     return parser

@@ -342,3 +342,15 @@ def test_other_users_are_refused_unless_allowed():
     finally:
         d.stop()
         shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_swap_after_end_of_generation(daemon, agents):
+    """After an end-of-generation stop every generated token is in the KV; the snapshot
+    taken at eviction must agree with the agent's token count."""
+    with daemon.client() as c:
+        c.reset("smol2")
+        first = c.decode("smol2", 64, "Tell me about foxes.")
+        c.decode("gem", 2, "Hi")  # evicts smol2
+        again = c.decode("smol2", 4, "More?")
+        assert again["fields"]["kv_swap_restored"] == "true"
+        assert first["fields"]["stopped_on_eos"] in ("true", "false")

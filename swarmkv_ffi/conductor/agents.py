@@ -231,8 +231,15 @@ class Conductor:
             if gen.cancelled:  # the client left: the conversation is as it was before
                 ctx.seq_rm(0, before, -1)
                 return DecodeResult(agent_id, len(new), 0, False, 0.0, evicted, restored, "", cancelled=True)
-            agent.history += tokens + gen.tokens[:-1]
-            agent.pending = gen.tokens[-1] if gen.tokens else None
+            # The last sampled token is in the KV only if another was sampled after it:
+            # after an end-of-generation stop all of them are; after max_tokens the last
+            # one waits to be decoded with the next prompt.
+            if gen.stopped_on_eog or not gen.tokens:
+                agent.history += tokens + gen.tokens
+                agent.pending = None
+            else:
+                agent.history += tokens + gen.tokens[:-1]
+                agent.pending = gen.tokens[-1]
             return DecodeResult(agent_id, len(new), len(gen.tokens), gen.stopped_on_eog,
                                 (time.perf_counter_ns() - t0) / 1e6, evicted, restored, gen.text)
 

@@ -44,6 +44,7 @@ class ModelRegistry:
                     return entry, False
             before = _rss()
             model = Model(path, use_mmap=False)  # anonymous memory: RSS shows the real cost
+            model.fingerprint  # hash the file now, not during the first KV swap
             entry = Loaded(model, refs=1, measured_bytes=max(model.size_bytes, _rss() - before),
                            agents={agent_id})
             with self._lock:
