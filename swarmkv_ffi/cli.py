@@ -111,6 +111,8 @@ def cmd_fanout(args) -> int:
     specs = [BranchSpec(q, max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p,
                         seed=None if args.seed is None else args.seed + i)
              for i, q in enumerate(args.ask)]
+    if args.ray is not None:
+        return _fanout_ray(args, document, specs)
     snapshot_in = Snapshot.load(args.snapshot_in) if args.snapshot_in else None
     model = Model(catalog.resolve(args.model))
     saved = []
@@ -135,6 +137,27 @@ def cmd_fanout(args) -> int:
     else:
         _print_fanout(result, args)
     model.close()
+    return 0
+
+
+def _fanout_ray(args, document, specs) -> int:
+    """`fanout --ray [ADDRESS]`: prefill on one Ray worker, branches on Ray actors."""
+    from .distributed import run_fanout_ray
+    if args.snapshot_in or args.snapshot_out or args.mode != "shared":
+        raise errors.SwarmKVError("--ray cannot be combined with --snapshot-in/--snapshot-out/--mode")
+    out = run_fanout_ray(str(catalog.resolve(args.model)), document, specs,
+                         address=None if args.ray == "local" else args.ray, n_actors=args.ray_actors,
+                         n_ctx=args.n_ctx, n_batch=args.n_batch, chat=not args.no_chat, kv_type=args.kv_type)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"document: {args.doc}: prefilled once on a Ray worker in {out['prefill_ms']:.0f} ms; "
+          f"{out['n_actors']} actors, {out['retries']} retries")
+    for b in out["branches"]:
+        print(f"\n[{b['index']}] Q: {b['question']}\n    A: {b['text'].strip()}")
+        print(f"    snapshot fetch {b['snapshot_fetch_ms']:.1f} ms, first token {b['activation_ms']:.0f} ms, "
+              f"{len(b['token_ids'])} tokens")
+    print(f"\nend-to-end {out['total_ms']:.0f} ms")
     return 0
 
 
@@ -228,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plain 'document / Question: / Answer:' prompts instead of the chat template")
     p.add_argument("--snapshot-out", metavar="FILE", help="save the document's KV snapshot")
     p.add_argument("--snapshot-in", metavar="FILE", help="reuse a saved snapshot; skips the prefill")
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run on Ray: a cluster address (ray start --head prints it), or none to "
+                        "start a local one; needs the 'distributed' extra")
+    p.add_argument("--ray-actors", type=int, default=2, help="Ray branch actors (default: 2)")
     _add_model_args(p)
     p.epilog = "--seed S gives branch i the seed S+i."
     p.set_defaults(func=cmd_fanout)

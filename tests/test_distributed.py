@@ -1,0 +1,90 @@
+"""The fan-out on a local Ray cluster: same greedy tokens as local copy mode, bad
+snapshots rejected on arrival, a dead actor's branches retried elsewhere."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'swarmkv-ffi[distributed]')")
+
+from swarmkv_ffi import catalog, errors  # noqa: E402
+from swarmkv_ffi.distributed import BranchWorker, prefill_snapshot, run_fanout_ray  # noqa: E402
+from swarmkv_ffi.fanout import BranchSpec, run_fanout  # noqa: E402
+from test_fanout import DOC, QUESTIONS  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+OPTS = dict(n_batch=64)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    return str(catalog.resolve("smollm2-135m"))
+
+
+def specs(n=4):
+    return [BranchSpec(q, max_tokens=8) for q in QUESTIONS[:n]]
+
+
+def test_ray_branches_match_local_copy_mode(cluster, model_path, smol):
+    out = run_fanout_ray(model_path, DOC, specs(), n_actors=2, **OPTS)
+    local = run_fanout(smol, DOC, specs(), mode="copy", **OPTS)
+    assert [b["token_ids"] for b in out["branches"]] == [b.token_ids for b in local.branches]
+    assert out["n_actors"] == 2 and out["retries"] == 0
+    assert all(b["snapshot_fetch_ms"] >= 0 for b in out["branches"])
+
+
+def test_corrupt_snapshot_is_rejected_on_arrival(cluster, model_path):
+    snap = ray.get(ray.remote(prefill_snapshot).remote(model_path, DOC, [{"question": "q?"}], OPTS),
+                   timeout=600)
+    bad = np.array(snap, copy=True)
+    bad[-10] ^= 0xFF
+    worker = ray.remote(BranchWorker).remote(model_path, OPTS)
+    with pytest.raises(ray.exceptions.RayTaskError) as info:
+        ray.get(worker.answer.remote(ray.put(bad), DOC, [{"question": "q?", "max_tokens": 2}]), timeout=600)
+    assert isinstance(info.value.as_instanceof_cause(), errors.SnapshotCorruptError)
+    assert "checksum" in str(info.value)
+    ray.kill(worker)
+
+
+def test_dead_actor_branches_are_retried(cluster, model_path, monkeypatch):
+    """Kill the first actor as soon as work is submitted to it: its branches must be
+    answered by the other one, with the same tokens."""
+    import swarmkv_ffi.distributed as dist
+    real_remote = ray.remote
+    killed = []
+
+    def kill_first(actor_cls):
+        original = actor_cls.remote
+
+        def spawn(*a, **k):
+            handle = original(*a, **k)
+            if not killed:
+                killed.append(handle)
+                ray.kill(handle, no_restart=True)
+            return handle
+        actor_cls.remote = spawn
+        return actor_cls
+
+    monkeypatch.setattr(dist, "_actor_class", lambda resources: kill_first(real_remote(**resources)(BranchWorker)))
+    out = run_fanout_ray(model_path, DOC, specs(2), n_actors=2, **OPTS)
+    assert killed and out["retries"] >= 1
+    reference = run_fanout_ray(model_path, DOC, specs(2), n_actors=1, **OPTS)
+    assert [b["token_ids"] for b in out["branches"]] == [b["token_ids"] for b in reference["branches"]]
+
+
+def test_timeout_names_what_it_waited_for(cluster, model_path):
+    with pytest.raises(dist_error()) as info:
+        run_fanout_ray(model_path, DOC, specs(1), timeout=0.01, **OPTS)
+    assert "prefill" in str(info.value)
+
+
+def dist_error():
+    from swarmkv_ffi.distributed import RayFanoutError
+    return RayFanoutError
