@@ -263,20 +263,28 @@ def main(argv: list[str] | None = None) -> int:
     report = {"config": asdict(cfg), "command": " ".join(["swarmkv bench fanout"] + (argv or sys.argv[1:])),
               "model": model.path.name, "doc_tokens": len(model.tokenize(document)),
               "cpu": cpu_name(), "comparisons": []}
+
+    def checkpoint():
+        """Write what is measured so far: a long run that is stopped loses nothing."""
+        report["targets"] = evaluate_targets(report)
+        report["wall_s"] = time.time() - t0
+        (out / "best_run.json").write_text(json.dumps(report, indent=2))
+
     for n, gen in cfg.runs:
         log(f"comparison N={n} gen={gen}")
         report["comparisons"].append(comparison(model, document, n, gen, cfg))
+        write_trials_csv(out / "all_trials.csv", report["comparisons"])
+        checkpoint()
+    if "decode" in sweeps:
+        report["sweep_decode"] = sweep_decode(model, document, cfg, n=args.decode_n)
+        checkpoint()
     if "branches" in sweeps:
         report["sweep_branches"] = sweep_branches(
             model, document, cfg, ns=[int(x) for x in args.sweep_ns.split(",")], baseline_max_n=args.baseline_max_n)
+        checkpoint()
     if "doc-length" in sweeps:
         report["sweep_doc_length"] = sweep_doc_length(model, cfg, [int(x) for x in args.doc_lengths.split(",")])
-    if "decode" in sweeps:
-        report["sweep_decode"] = sweep_decode(model, document, cfg, n=args.decode_n)
-    report["targets"] = evaluate_targets(report)
-    report["wall_s"] = time.time() - t0
-    (out / "best_run.json").write_text(json.dumps(report, indent=2))
-    write_trials_csv(out / "all_trials.csv", report["comparisons"])
+        checkpoint()
     if not args.no_plots:
         from .plots import plot_fanout
         plot_fanout(report, out)
