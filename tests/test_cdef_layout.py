@@ -5,7 +5,6 @@ offsets of the structs libllama takes by value with what the ABI-mode ffi believ
 from __future__ import annotations
 
 import importlib.util
-import sys
 
 import pytest
 from cffi import FFI

@@ -91,8 +91,8 @@ def test_register_two_models_and_share_weights(daemon, agents):
     assert int(smol["estimate_bytes"]) > int(smol["weights_bytes"]) > 0 and smol["estimate_source"] == "gguf"
     with daemon.client() as c:
         status = c.status()
-        models = [l for l in status["lines"] if l.startswith("OK model path=")]
-        assert len(models) == 2 and any("refcount=2" in l for l in models)
+        models = [line for line in status["lines"] if line.startswith("OK model path=")]
+        assert len(models) == 2 and any("refcount=2" in line for line in models)
         ids = {a["agent_id"]: a for a in c.list()}
         assert set(ids) == {"smol", "gem", "smol2"}
 
@@ -312,7 +312,7 @@ def test_concurrent_clients_never_overshoot_and_end_at_zero(tmp_path):
         with d.client() as c:
             f = c.status()["fields"]
             assert f["ledger_allocated_bytes"] == "0" and f["agents"] == "0"
-            assert not [l for l in c.status()["lines"] if l.startswith("OK model path=")]
+            assert not [line for line in c.status()["lines"] if line.startswith("OK model path=")]
     finally:
         d.stop()
     assert max(seen_max) <= cap

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import time
 
-from ..batch import Batch
 from ..budget import DEFAULT_HEADROOM
 from ..generate import generate
 from ..model import Model
-from .plan import BranchResult, BranchSpec, FanoutResult, Plan, plan_fanout, prefill_stops, rate
+from .plan import BranchResult, BranchSpec, FanoutResult, Plan, plan_fanout, prefill, record_generation
 
 
 def run_baseline(model: Model, document: str, specs: list[BranchSpec], *, n_ctx: int | None = None,
@@ -31,21 +30,11 @@ def plain_branch(plan: Plan, i: int, keep_logits: bool = False) -> BranchResult:
     generation. Its activation is the redundant re-prefill plus the first token."""
     res = plan.result(i)
     w = plan.watermarks[i]
-    prefix = plan.layout.prefix
     res.ready_ms = plan.ms()
     t = time.perf_counter_ns()
     with plan.context(plan.n_ctx) as ctx, plan.sampler(i) as sampler:
-        done, batch = 0, Batch(plan.n_batch)
-        for stop in (s for s in prefill_stops(plan) if s <= w):
-            batch.clear().add_sequence(prefix[done:stop], done, 0, logits_last=False)
-            ctx.decode(batch)
-            done = stop
+        prefill(plan, ctx, upto=w)
         res.prefill_ms = (time.perf_counter_ns() - t) / 1e6
         gen = generate(ctx, plan.layout.suffixes[i], max_tokens=plan.specs[i].max_tokens,
                        sampler=sampler, pos0=w, keep_first_logits=keep_logits)
-    res.token_ids, res.text, res.stopped_on_eog = gen.tokens, gen.text, gen.stopped_on_eog
-    res.activation_ms = res.prefill_ms + gen.first_token_ms
-    res.decode_ms = gen.decode_ms - (gen.first_token_ms - gen.prompt_ms)
-    res.tokens_per_s = rate(len(gen.tokens), res.decode_ms)
-    res.first_logits = gen.first_logits
-    return res
+    return record_generation(res, gen, res.prefill_ms)

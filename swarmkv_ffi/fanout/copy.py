@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
-from ..batch import Batch
 from ..dag import Dag
 from ..generate import generate
 from ..snapshot import Snapshot
-from .plan import BranchResult, Plan, prefill_stops, rate
+from .plan import BranchResult, Plan, prefill, record_generation
+
 
 def add_copy_nodes(dag: Dag, plan: Plan, snapshot_in, snapshot_out, progress, keep_logits):
     """prefill → one snapshot per distinct watermark (a gate) → branch-i nodes."""
@@ -41,24 +41,20 @@ def _copy_prefill(plan: Plan, gates: dict[int, Future], snapshot_in, snapshot_ou
         for gate in gates.values():
             gate.set_result((snapshot_in, plan.ms()))
         return 0.0, snapshot_in.nbytes
-    full = None
+    snaps = {}
     with plan.context(plan.n_ctx) as ctx:
-        done = 0
-        batch = Batch(plan.n_batch)
-        for stop in prefill_stops(plan):
-            batch.clear().add_sequence(prefix[done:stop], done, 0, logits_last=False)
-            ctx.decode(batch)
-            done = stop
+        def on_chunk(done: int) -> None:
             if progress:
                 progress(done, n)
-            if done in gates:
-                snap = Snapshot.capture(ctx, 0, prefix[:done])
-                gates[done].set_result((snap, plan.ms()))
-                full = snap
+            if done in gates:  # a watermark (or the end): branches waiting on it may start
+                snaps[done] = Snapshot.capture(ctx, 0, prefix[:done])
+                gates[done].set_result((snaps[done], plan.ms()))
+
+        prefill(plan, ctx, on_chunk=on_chunk)
         prefill_ms = plan.ms() - t_start
     if snapshot_out is not None:
-        snapshot_out(full)
-    return prefill_ms, full.nbytes
+        snapshot_out(snaps[n])
+    return prefill_ms, snaps[n].nbytes
 
 
 def _copy_branch(plan: Plan, i: int, gate_value, keep_logits: bool) -> BranchResult:
@@ -75,9 +71,4 @@ def _copy_branch(plan: Plan, i: int, gate_value, keep_logits: bool) -> BranchRes
         res.fork_ms = (time.perf_counter_ns() - t) / 1e6
         gen = generate(ctx, plan.layout.suffixes[i], max_tokens=plan.specs[i].max_tokens,
                        sampler=sampler, pos0=w, keep_first_logits=keep_logits)
-    res.token_ids, res.text, res.stopped_on_eog = gen.tokens, gen.text, gen.stopped_on_eog
-    res.activation_ms = res.fork_ms + gen.first_token_ms
-    res.decode_ms = gen.decode_ms - (gen.first_token_ms - gen.prompt_ms)
-    res.tokens_per_s = rate(len(gen.tokens), res.decode_ms)
-    res.first_logits = gen.first_logits
-    return res
+    return record_generation(res, gen, res.fork_ms)

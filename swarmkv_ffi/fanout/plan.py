@@ -7,9 +7,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from ..batch import Batch
 from ..budget import DEFAULT_HEADROOM, check_budget
 from ..context import Context, ContextParams
 from ..errors import SnapshotMismatchError
+from ..generate import Generation
 from ..model import Model
 from ..prompts import PromptLayout, layout
 from ..sampler import Sampler
@@ -151,6 +153,31 @@ def prefill_stops(plan: Plan) -> list[int]:
     n = plan.layout.n_prefix
     stops = set(range(plan.n_batch, n, plan.n_batch)) | set(plan.watermarks) | {n}
     return sorted(stops)
+
+
+def prefill(plan: Plan, ctx: Context, upto: int | None = None, on_chunk=None) -> None:
+    """Decode the document's first `upto` tokens (all by default) into sequence 0, in the
+    plan's chunks, logits off; on_chunk(done) runs after each chunk."""
+    prefix = plan.layout.prefix
+    upto = plan.layout.n_prefix if upto is None else upto
+    done, batch = 0, Batch(plan.n_batch)
+    for stop in (s for s in prefill_stops(plan) if s <= upto):
+        batch.clear().add_sequence(prefix[done:stop], done, 0, logits_last=False)
+        ctx.decode(batch)
+        done = stop
+        if on_chunk:
+            on_chunk(done)
+
+
+def record_generation(res: BranchResult, gen: Generation, setup_ms: float) -> BranchResult:
+    """Copy a branch's generation into its result. setup_ms is what the branch paid before
+    its prompt (a fork, or the baseline's own prefill): activation = setup + first token."""
+    res.token_ids, res.text, res.stopped_on_eog = gen.tokens, gen.text, gen.stopped_on_eog
+    res.activation_ms = setup_ms + gen.first_token_ms
+    res.decode_ms = gen.decode_ms - (gen.first_token_ms - gen.prompt_ms)
+    res.tokens_per_s = rate(len(gen.tokens), res.decode_ms)
+    res.first_logits = gen.first_logits
+    return res
 
 
 def rate(n_tokens: int, ms: float) -> float:

@@ -78,7 +78,7 @@ def run(opts: dict, bandwidth_check: bool = True) -> dict:
         "transfer_only_ms": T, "compute_only_ms": C, "ideal_ms": ideal,
         "overlap_efficiency_pct": 100 * saved / possible if possible > 0 else None,
         "outputs_identical": identical, "matches_numpy_reference": ref_ok,
-        "layers": {name: [vars(l) for l in best[name].layers] for name in ("serial", "overlapped")},
+        "layers": {name: [vars(layer) for layer in best[name].layers] for name in ("serial", "overlapped")},
     }
     if bandwidth_check:
         report["bandwidth"] = bandwidth(min(opts["bytes_per_layer"], 64 * MIB), repeats=3)
