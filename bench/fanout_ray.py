@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     remote = run_fanout_ray(str(path), document, specs, n_actors=args.actors)
     ray.shutdown()
     report = {
-        "command": " ".join(["bench/fanout_ray.py"] + (argv or sys.argv[1:])), "cpu": cpu_name(),
+        "command": " ".join(["bench/fanout_ray.py"] + (sys.argv[1:] if argv is None else argv)), "cpu": cpu_name(),
         "doc_tokens": local.n_prefix, "branches": args.branches, "actors": args.actors,
         "snapshot_bytes": saved[0].nbytes, "ray_put_ms": put_ms, "ray_fetch_and_verify_ms": fetch_ms,
         "local_copy_e2e_ms": local.total_ms, "ray_e2e_ms": remote["total_ms"],

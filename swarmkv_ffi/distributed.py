@@ -79,10 +79,6 @@ class BranchWorker:
             out.append(d)
         return out
 
-    def pid(self) -> int:
-        import os
-        return os.getpid()
-
 
 def run_fanout_ray(model_path: str, document: str, specs, *, address: str | None = None,
                    n_actors: int = 2, branches_per_actor: int | None = None, timeout: float = 600.0,

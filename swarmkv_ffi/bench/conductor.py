@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     with Model(resolve(args.model)) as model:
         swaps = [swap_vs_prefill(model, int(h), args.repeats) for h in args.histories.split(",")]
     status = status_latency(args.model, args.clients, args.seconds, args.decoders)
-    report = {"command": " ".join(["swarmkv bench conductor"] + (argv or sys.argv[1:])),
+    report = {"command": " ".join(["swarmkv bench conductor"] + (sys.argv[1:] if argv is None else argv)),
               "model": args.model, "cpu": cpu_name(), "swap": swaps, "status": status,
               "target_swap_speedup_at_2k": 10.0}
     (out / "conductor.json").write_text(json.dumps(report, indent=2))
