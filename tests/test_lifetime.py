@@ -2,14 +2,9 @@
 from __future__ import annotations
 
 import gc
-import os
 
 from swarmkv_ffi import Context
-
-
-def rss_bytes() -> int:
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+from swarmkv_ffi.procmem import rss_bytes
 
 
 def churn(model, n):

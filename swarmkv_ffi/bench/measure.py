@@ -2,19 +2,15 @@
 of an exact token length, and the machine's name for result folders."""
 from __future__ import annotations
 
-import os
 import platform
 import threading
 from pathlib import Path
 
 import numpy as np
 
+from ..procmem import rss_bytes
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-def rss_bytes() -> int:
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class PeakRSS:

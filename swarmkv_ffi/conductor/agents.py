@@ -24,7 +24,8 @@ from ..generate import generate
 from ..snapshot import Snapshot
 from .estimate import Estimate, estimate
 from .ledger import Ledger
-from .registry import Loaded, ModelRegistry, _rss
+from ..procmem import rss_bytes
+from .registry import Loaded, ModelRegistry
 
 AGENT_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
@@ -171,11 +172,11 @@ class Conductor:
 
         The KV cache fills only as the conversation grows, so the booking is the larger of
         what was measured and the KV the agent's n_ctx will need."""
-        before = _rss()
+        before = rss_bytes()
         ctx = self._new_context(loaded, n_ctx)
         try:
             ctx.decode_tokens([loaded.model.bos if loaded.model.bos >= 0 else 0])
-            used = _rss() - before
+            used = rss_bytes() - before
         finally:
             ctx.close()
         return max(1, used, kv_estimate)

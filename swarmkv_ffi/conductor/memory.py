@@ -11,6 +11,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..procmem import rss_bytes
+
 
 @dataclass
 class MemoryReading:
@@ -33,8 +35,7 @@ def _host_reading() -> MemoryReading:
         for line in f:
             key, value = line.split(":", 1)
             info[key] = int(value.split()[0]) * 1024
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        own = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    own = rss_bytes()
     total, free = info["MemTotal"], info.get("MemAvailable", info["MemFree"])
     return MemoryReading("host", "host RAM", total, total - free, free, own, time.time())
 

@@ -2,17 +2,12 @@
 release frees it."""
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..model import Model
-
-
-def _rss() -> int:
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+from ..procmem import rss_bytes
 
 
 @dataclass
@@ -42,10 +37,10 @@ class ModelRegistry:
                     entry.refs += 1
                     entry.agents.add(agent_id)
                     return entry, False
-            before = _rss()
+            before = rss_bytes()
             model = Model(path, use_mmap=False)  # anonymous memory: RSS shows the real cost
             model.fingerprint  # hash the file now, not during the first KV swap
-            entry = Loaded(model, refs=1, measured_bytes=max(model.size_bytes, _rss() - before),
+            entry = Loaded(model, refs=1, measured_bytes=max(model.size_bytes, rss_bytes() - before),
                            agents={agent_id})
             with self._lock:
                 self._models[key] = entry

@@ -8,13 +8,13 @@ own row. A finished branch removes its sequence, freeing the cells only it used.
 """
 from __future__ import annotations
 
-import codecs
 import time
 
 from .. import library
 from ..batch import Batch
 from ..budget import DEFAULT_HEADROOM
 from ..errors import BudgetError
+from ..generate import TextStream
 from ..model import Model
 from ..snapshot import Snapshot
 from .plan import BranchResult, Plan, prefill_stops, rate, round_up
@@ -26,7 +26,7 @@ class _Live:
         self.i, self.seq, self.res = i, i + 1, result
         self.spec = plan.specs[i]
         self.sampler = plan.sampler(i)
-        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.stream = TextStream(plan.model)
         self.pieces: list[str] = []
         self.pending = plan.layout.suffixes[i]   # prompt tokens still to decode
         self.pos = plan.watermarks[i]
@@ -39,11 +39,11 @@ class _Live:
             self.res.stopped_on_eog = True
             return True
         self.res.token_ids.append(token)
-        self.pieces.append(self.decoder.decode(model.token_bytes(token)))
+        self.pieces.append(self.stream.push(token))
         return len(self.res.token_ids) >= self.spec.max_tokens
 
     def finish(self, ms: float) -> None:
-        self.pieces.append(self.decoder.decode(b"", final=True))
+        self.pieces.append(self.stream.flush())
         self.res.text = "".join(self.pieces)
         self.res.decode_ms = ms - self.first_at
         self.res.tokens_per_s = rate(len(self.res.token_ids), self.res.decode_ms)
