@@ -16,10 +16,20 @@ LLAMA_COMMIT=0c1e570          # vendor/llama.cpp inside that sdist (2026-10-01)
 
 usage() {
     cat <<USAGE
-usage: $0 [--cuda] [--cuda-arch ARCHS] [--jobs N] [--force]
+usage: $0 [--portable] [--amx] [--cuda] [--cuda-arch ARCHS] [--jobs N] [--force]
 
-Builds libllama (llama.cpp ${LLAMA_COMMIT}, from ${SDIST_NAME}==${SDIST_VERSION}) into ./libllama/.
+Builds libllama (llama.cpp ${LLAMA_COMMIT}, from ${SDIST_NAME}==${SDIST_VERSION}) into ./libllama/,
+proves it with one real decode in a child process, then writes libllama/manifest.json.
 
+By default the CPU code is compiled for this machine's CPU (-march=native) without
+ggml's AMX path, and the manifest records the instruction sets it needs: swarmkv_ffi
+refuses to load it on a CPU that lacks one (instead of dying with SIGILL).
+
+  --portable         compile for any x86-64 with AVX2/FMA/F16C (any ARMv8 on arm64)
+                     instead of this CPU: one build for every node of a cluster
+  --amx              keep ggml's AMX matmul path (Intel Sapphire Rapids and newer).
+                     Known to die with SIGILL at this pin (see the comment below); off
+                     by default
   --cuda             build the CUDA backend (GGML_CUDA=ON); needs nvcc
   --cuda-arch ARCHS  CUDA architectures, e.g. "90" or "80;90" (default: CMake's "native")
   --jobs N           parallel compile jobs (default: nproc)
@@ -34,8 +44,11 @@ die() { echo "build_llama.sh: error: $*" >&2; exit 1; }
 say() { echo "build_llama.sh: $*" >&2; }
 
 backend=cpu; cuda_arch=""; jobs=$(nproc 2>/dev/null || echo 2); force=0
+target=native; amx=0
 while [ $# -gt 0 ]; do
     case "$1" in
+        --portable) target=portable ;;
+        --amx) amx=1 ;;
         --cuda) backend=cuda ;;
         --cuda-arch) [ $# -ge 2 ] || die "--cuda-arch needs a value"; cuda_arch="$2"; shift ;;
         --jobs) [ $# -ge 2 ] || die "--jobs needs a value"; jobs="$2"; shift ;;
@@ -46,6 +59,7 @@ while [ $# -gt 0 ]; do
     shift
 done
 [ -n "$cuda_arch" ] && [ "$backend" != cuda ] && die "--cuda-arch only makes sense with --cuda"
+[ $amx = 1 ] && [ $target = portable ] && die "--amx and --portable do not go together (AMX is not portable)"
 
 root=$(cd "$(dirname "$0")" && pwd)
 prefix="$root/libllama"
@@ -63,6 +77,39 @@ if [ "$backend" = cuda ]; then
 fi
 py=$(command -v python3 || command -v python) || die "python3 not found (needed to fetch the sdist with pip)"
 
+# ---- CPU target ----------------------------------------------------------------------
+# ggml's AMX path is left out of the default build. On an Intel Xeon (Sapphire Rapids,
+# KVM guest, amx_tile/amx_int8/amx_bf16 in /proc/cpuinfo) a native build at this pin
+# died with SIGILL at the first llama_decode, although the kernel grants AMX
+# (arch_prctl XTILEDATA) and a standalone AMX program runs fine there:
+#   SIGILL in tinygemm_kernel_amx<block_q8_1, block_q4_1, float, 32, 0>  tileloadd (%rax,%rsi,1),%tmm0
+#     ggml_backend_amx_mul_mat <- ggml::cpu::amx::tensor_traits::compute_forward
+#     <- ggml_cpu_extra_compute_forward <- ggml_graph_compute_thread (libgomp worker)
+# ggml compiles that path only when __AMX_INT8__ is defined, so -mno-amx-* removes it
+# (explicit -mno-* flags win over -march=native in GCC and Clang). --amx keeps it.
+arch=$(uname -m)
+cc_bin=$(command -v cc || command -v gcc)
+cpu_cflags=""          # what we add to CMAKE_{C,CXX}_FLAGS
+probe_cflags=""        # what the compiler sees for ggml-cpu, to list the features it uses
+case "$arch-$target" in
+    x86_64-native)
+        probe_cflags="-march=native"
+        if [ $amx = 0 ] && "$cc_bin" -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 -E - </dev/null >/dev/null 2>&1; then
+            cpu_cflags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        fi ;;
+    x86_64-portable) probe_cflags="-msse4.2 -mavx -mavx2 -mfma -mf16c -mbmi2" ;;
+    aarch64-native|arm64-native) probe_cflags="-mcpu=native" ;;
+    *-portable) probe_cflags="" ;;
+    *) probe_cflags="-march=native" ;;
+esac
+probe_cflags="$probe_cflags $cpu_cflags"
+# shellcheck disable=SC2086
+cpu_features=$("$cc_bin" $probe_cflags -dM -E - </dev/null 2>/dev/null | "$py" "$root/swarmkv_ffi/cpu.py" --from-macros) \
+    || die "could not list the CPU features '$cc_bin $probe_cflags' enables"
+# shellcheck disable=SC2086
+missing=$("$py" "$root/swarmkv_ffi/cpu.py" --missing $cpu_features) \
+    || die "the compiler targets features this CPU does not report ($missing); use --portable"
+
 # ---- flags and the idempotence key ---------------------------------------------------
 flags=(
     -DCMAKE_BUILD_TYPE=Release
@@ -70,7 +117,7 @@ flags=(
     -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
     -DLLAMA_BUILD_MTMD=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
-    -DGGML_NATIVE=ON -DGGML_OPENMP=ON
+    -DGGML_OPENMP=ON
     # llamafile's sgemm computes batched matmuls with another summation order than
     # ggml's per-row dot products; off, a token's logits do not depend on what else
     # shares its batch, so shared-mode branches can match plain runs bit for bit.
@@ -78,15 +125,26 @@ flags=(
     # libllama finds its ggml libraries beside itself, wherever the folder is moved.
     -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON '-DCMAKE_INSTALL_RPATH=$ORIGIN'
 )
+if [ $target = native ]; then
+    flags+=(-DGGML_NATIVE=ON)
+else
+    flags+=(-DGGML_NATIVE=OFF)
+    case "$arch" in
+        x86_64) flags+=(-DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+                        -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF) ;;
+    esac
+fi
+[ -n "$cpu_cflags" ] && flags+=("-DCMAKE_C_FLAGS=$cpu_cflags" "-DCMAKE_CXX_FLAGS=$cpu_cflags")
 if [ "$backend" = cuda ]; then
     flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${cuda_arch:-native}")
 fi
-key=$(printf '%s\n' "$SDIST_SHA256" "${flags[@]}" | sha256sum | cut -c1-16)
+# The CPU features are part of the key: a cache or clone moved to another CPU rebuilds.
+key=$(printf '%s\n' "$SDIST_SHA256" "${flags[@]}" "$cpu_features" | sha256sum | cut -c1-16)
 manifest="$prefix/manifest.json"
 
 if [ $force = 0 ] && [ -f "$manifest" ] && grep -q "\"build_key\": \"$key\"" "$manifest" \
    && [ -f "$prefix/lib/libllama.so" ] && [ -f "$prefix/include/llama.h" ]; then
-    say "up to date ($backend, llama.cpp $LLAMA_COMMIT)"
+    say "up to date ($backend, $target CPU build, llama.cpp $LLAMA_COMMIT)"
     echo "$prefix/lib/libllama.so"
     exit 0
 fi
@@ -133,15 +191,30 @@ say "compiling with $jobs jobs (first build takes several minutes on a small mac
 "$CMAKE" --build "$build" --config Release -j "$jobs" --target llama >"$cache/build-$key.log" 2>&1 \
     || { tail -30 "$cache/build-$key.log" >&2; die "compile failed; full log: $cache/build-$key.log"; }
 
-rm -rf "$prefix"; mkdir -p "$prefix/lib" "$prefix/include"
+# Install into a staging folder; it replaces ./libllama only after the smoke decode.
+stage="$prefix.new"
+rm -rf "$stage"; mkdir -p "$stage/lib" "$stage/include"
 # Copy the shared objects (with their version symlinks) and the public headers.
-find "$build/bin" "$build/src" "$build/ggml/src" -maxdepth 3 -name '*.so*' -exec cp -P {} "$prefix/lib/" \; 2>/dev/null
-cp "$src/include/llama.h" "$prefix/include/"
-cp "$src"/ggml/include/*.h "$prefix/include/"
-[ -f "$prefix/lib/libllama.so" ] || die "build finished but libllama.so was not found under $build"
+find "$build/bin" "$build/src" "$build/ggml/src" -maxdepth 3 -name '*.so*' -exec cp -P {} "$stage/lib/" \; 2>/dev/null
+cp "$src/include/llama.h" "$stage/include/"
+cp "$src"/ggml/include/*.h "$stage/include/"
+[ -f "$stage/lib/libllama.so" ] || die "build finished but libllama.so was not found under $build"
 
+# ---- prove it ------------------------------------------------------------------------
+if [ $amx = 0 ] && command -v objdump >/dev/null; then
+    n_amx=$(objdump -d "$stage"/lib/libggml-cpu*.so 2>/dev/null | grep -cE '\b(tileloadd|tdpbusd|tdpbssd|tdpbf16ps|ldtilecfg)\b' || true)
+    [ "$n_amx" = 0 ] || die "the CPU library still contains $n_amx AMX tile instructions; the -mno-amx-* flags did not take (compiler: $cc_bin)"
+fi
+say "smoke decode through the new library (tiny model, child process)"
+"$root/tools/smoke_check.sh" "$stage" || { rm -rf "$stage"; die "not installed: the new libllama failed its smoke decode (the previous ./libllama, if any, is untouched)"; }
+
+rm -rf "$prefix"; mv "$stage" "$prefix"
 header_sha=$(sha256sum "$prefix/include/llama.h" | cut -d' ' -f1)
 flags_json=$(printf '"%s",' "${flags[@]}"); flags_json="[${flags_json%,}]"
+features_json=""
+for f in $cpu_features; do features_json="$features_json\"$f\","; done
+features_json="[${features_json%,}]"
+built_on=$(grep -m1 '^model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ *//;s/"//g')
 cat >"$manifest" <<JSON
 {
   "llama_cpp_commit": "$LLAMA_COMMIT",
@@ -149,11 +222,16 @@ cat >"$manifest" <<JSON
   "source_sha256": "$SDIST_SHA256",
   "backend": "$backend",
   "cuda_arch": "${cuda_arch}",
+  "cpu_target": "$target",
+  "cpu_arch": "$arch",
+  "cpu_features": $features_json,
+  "amx": $([ $amx = 1 ] && echo true || echo false),
+  "built_on": "$built_on",
   "build_flags": $flags_json,
   "build_key": "$key",
   "llama_h_sha256": "$header_sha",
   "built_at": "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 }
 JSON
-say "installed into $prefix"
+say "installed into $prefix ($target CPU build; needs: ${cpu_features:-nothing beyond the base ISA})"
 echo "$prefix/lib/libllama.so"

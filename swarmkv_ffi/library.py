@@ -16,8 +16,8 @@ from pathlib import Path
 
 from cffi import FFI
 
-from . import _cdef
-from .errors import LibraryNotFoundError, PinMismatchError
+from . import _cdef, cpu
+from .errors import CpuMismatchError, LibraryNotFoundError, PinMismatchError
 
 log = logging.getLogger("swarmkv_ffi.llama")
 
@@ -110,6 +110,30 @@ def check_pin(lib_path: Path) -> None:
             f"{_cdef.LLAMA_CPP_COMMIT}, {_cdef.SOURCE}). Rebuild with ./build_llama.sh.")
 
 
+def check_cpu(lib_path: Path) -> None:
+    """Refuse a libllama compiled for instruction sets this CPU does not have.
+
+    Loading it would work; its first matmul would kill the process with SIGILL. The
+    manifest lists what the build was compiled for (build_llama.sh reads it from the
+    compiler); a build without that list predates the check and is let through.
+    """
+    manifest = read_manifest(lib_path) or {}
+    required = manifest.get("cpu_features") or []
+    missing = cpu.missing_features(required)
+    if missing:
+        raise CpuMismatchError(
+            f"{lib_path} was compiled for a CPU with {', '.join(missing)} "
+            f"(built on: {manifest.get('built_on') or 'unknown'}, target "
+            f"{manifest.get('cpu_target', 'native')}), which this CPU "
+            f"({cpu.describe_host()}) lacks; it would die with SIGILL. Rebuild here with "
+            "./build_llama.sh, or build once with ./build_llama.sh --portable for mixed machines.")
+
+
+def system_info() -> str:
+    """ggml's own list of the CPU features this build uses ("AVX2 = 1 | ...")."""
+    return ffi.string(backend().llama_print_system_info()).decode()
+
+
 _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 
 
@@ -156,6 +180,7 @@ def lib():
         if _lib is None:
             path = find_library()
             check_pin(path)
+            check_cpu(path)
             try:
                 handle = ffi.dlopen(str(path))
             except OSError as exc:

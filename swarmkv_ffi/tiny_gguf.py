@@ -1,0 +1,91 @@
+"""Write a tiny, random-weight llama-architecture GGUF with the `gguf` package.
+
+build_llama.sh decodes with it to prove a fresh libllama runs on this CPU before
+installing it, and tests use it where a real model would be slow or beside the point.
+Its matrices are quantised to the types real models ship (Q4_1 like SmolLM2, Q4_0,
+Q8_0) with row counts that are multiples of 32, so the CPU backend takes the same
+repacked and extra-buffer matmul paths it takes for a real model.
+
+Imports only gguf and numpy, so it also runs as a script outside the package:
+
+    python3 swarmkv_ffi/tiny_gguf.py OUT.gguf
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+N_EMBD, N_HEAD, N_FF, N_LAYER, N_CTX = 256, 4, 512, 2, 512
+SPECIAL = ["<unk>", "<s>", "</s>"]
+N_WORDS = 61  # pads the vocabulary to 320 tokens
+
+
+def vocabulary() -> tuple[list[str], list[float], list[int]]:
+    """SentencePiece-style tokens: specials, all 256 bytes, a few words."""
+    import gguf
+    tt = gguf.TokenType
+    tokens = SPECIAL + [f"<0x{b:02X}>" for b in range(256)] + [f"\u2581w{i}" for i in range(N_WORDS)]
+    types = [tt.UNKNOWN, tt.CONTROL, tt.CONTROL] + [tt.BYTE] * 256 + [tt.NORMAL] * N_WORDS
+    scores = [0.0] * 259 + [-float(i) for i in range(N_WORDS)]
+    return tokens, scores, [int(t) for t in types]
+
+
+def write(path: str, seed: int = 0) -> str:
+    """Write the model to `path` and return the path."""
+    import gguf
+    q = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(seed)
+    tokens, scores, types = vocabulary()
+    n_vocab = len(tokens)
+
+    w = gguf.GGUFWriter(path, arch="llama")
+    w.add_name("swarmkv tiny test model")
+    w.add_context_length(N_CTX)
+    w.add_embedding_length(N_EMBD)
+    w.add_block_count(N_LAYER)
+    w.add_feed_forward_length(N_FF)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(N_HEAD)
+    w.add_rope_dimension_count(N_EMBD // N_HEAD)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_1))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+    def matrix(name: str, rows: int, cols: int, qtype) -> None:
+        data = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+        w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+    def norm(name: str) -> None:
+        w.add_tensor(name, np.ones(N_EMBD, dtype=np.float32))
+
+    matrix("token_embd.weight", n_vocab, N_EMBD, q.Q8_0)
+    for i in range(N_LAYER):
+        norm(f"blk.{i}.attn_norm.weight")
+        for part in ("q", "k", "v"):
+            matrix(f"blk.{i}.attn_{part}.weight", N_EMBD, N_EMBD, q.Q4_1)
+        matrix(f"blk.{i}.attn_output.weight", N_EMBD, N_EMBD, q.Q4_0)
+        norm(f"blk.{i}.ffn_norm.weight")
+        matrix(f"blk.{i}.ffn_gate.weight", N_FF, N_EMBD, q.Q4_1)
+        matrix(f"blk.{i}.ffn_up.weight", N_FF, N_EMBD, q.Q4_1)
+        matrix(f"blk.{i}.ffn_down.weight", N_EMBD, N_FF, q.Q8_0)
+    norm("output_norm.weight")
+    matrix("output.weight", n_vocab, N_EMBD, q.Q4_1)
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: tiny_gguf.py OUT.gguf")
+    print(write(sys.argv[1]))
