@@ -16,7 +16,7 @@ LLAMA_COMMIT=0c1e570          # vendor/llama.cpp inside that sdist (2026-10-01)
 
 usage() {
     cat <<USAGE
-usage: $0 [--portable] [--amx] [--cuda] [--cuda-arch ARCHS] [--jobs N] [--force]
+usage: $0 [--portable] [--amx] [--cuda] [--cuda-arch ARCHS] [--prefix DIR] [--jobs N] [--force]
 
 Builds libllama (llama.cpp ${LLAMA_COMMIT}, from ${SDIST_NAME}==${SDIST_VERSION}) into ./libllama/,
 proves it with one real decode in a child process, then writes libllama/manifest.json.
@@ -32,6 +32,7 @@ refuses to load it on a CPU that lacks one (instead of dying with SIGILL).
                      by default
   --cuda             build the CUDA backend (GGML_CUDA=ON); needs nvcc
   --cuda-arch ARCHS  CUDA architectures, e.g. "90" or "80;90" (default: CMake's "native")
+  --prefix DIR       install into DIR instead of ./libllama (use it with SWARMKV_LIBLLAMA=DIR/lib)
   --jobs N           parallel compile jobs (default: nproc)
   --force            rebuild even if the installed manifest matches
   -h, --help         this text
@@ -44,13 +45,14 @@ die() { echo "build_llama.sh: error: $*" >&2; exit 1; }
 say() { echo "build_llama.sh: $*" >&2; }
 
 backend=cpu; cuda_arch=""; jobs=$(nproc 2>/dev/null || echo 2); force=0
-target=native; amx=0
+target=native; amx=0; prefix_arg=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --portable) target=portable ;;
         --amx) amx=1 ;;
         --cuda) backend=cuda ;;
         --cuda-arch) [ $# -ge 2 ] || die "--cuda-arch needs a value"; cuda_arch="$2"; shift ;;
+        --prefix) [ $# -ge 2 ] || die "--prefix needs a value"; prefix_arg="$2"; shift ;;
         --jobs) [ $# -ge 2 ] || die "--jobs needs a value"; jobs="$2"; shift ;;
         --force) force=1 ;;
         -h|--help) usage; exit 0 ;;
@@ -62,7 +64,8 @@ done
 [ $amx = 1 ] && [ $target = portable ] && die "--amx and --portable do not go together (AMX is not portable)"
 
 root=$(cd "$(dirname "$0")" && pwd)
-prefix="$root/libllama"
+prefix="${prefix_arg:-$root/libllama}"
+case "$prefix" in /*) ;; *) prefix="$PWD/$prefix" ;; esac
 cache="${SWARMKV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/swarmkv-ffi}"
 CMAKE="${CMAKE:-cmake}"
 
