@@ -28,15 +28,31 @@ def fma_sweep(weights, out, iters):
         out[i] = out[i] * DECAY + acc
 
 
-def reference(host_layers: np.ndarray, iters: int) -> np.ndarray:
-    """The same computation in NumPy float32, layer by layer (vectorised over elements)."""
-    out = np.zeros(host_layers.shape[1], dtype=np.float32)
-    for w in host_layers:
+@cuda.jit
+def gather(out, index, samples):
+    """samples[j] = out[index[j]]: a few fixed elements of the output, kept per layer."""
+    j = cuda.grid(1)
+    if j < index.size:
+        samples[j] = out[index[j]]
+
+
+def reference_samples(columns: np.ndarray, iters: int) -> np.ndarray:
+    """The output's sampled elements after each layer, (n_layers, n_samples), in NumPy.
+    `columns` holds the same elements of every layer's weights (n_layers, n_samples)."""
+    out = np.zeros(columns.shape[1], dtype=np.float32)
+    rows = []
+    for w in columns:
         acc = np.zeros_like(out)
         for _ in range(iters):
             acc = acc * SCALE + w
         out = out * DECAY + acc
-    return out
+        rows.append(out.copy())
+    return np.stack(rows)
+
+
+def reference(host_layers: np.ndarray, iters: int) -> np.ndarray:
+    """The whole computation in NumPy float32: the final output."""
+    return reference_samples(host_layers, iters)[-1]
 
 
 def launch_shape(n: int, threads: int = 256) -> tuple[int, int]:
