@@ -33,7 +33,26 @@ def _locate_gemma3() -> Path | None:
     expected = sum(p.stat().st_size for p in pkg.chunk_paths())
     if target.exists() and target.stat().st_size == expected:
         return target
-    return pkg.assemble(target, overwrite=True)
+    return _assemble_once(pkg, target, expected)
+
+
+def _assemble_once(pkg, target: Path, expected: int) -> Path:
+    """Assemble under a file lock into a temporary name, then rename: a thread or process
+    that reads `target` meanwhile sees the old file or the whole new one, never a half."""
+    import fcntl
+    import os
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists() and target.stat().st_size == expected:
+            return target  # another thread or process assembled it while we waited
+        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+        try:
+            pkg.assemble(partial, overwrite=True)
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+    return target
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,12 @@ pytestmark = pytest.mark.timeout(600)
 
 
 class Daemon:
-    def __init__(self, tmp: Path, *args: str):
+    def __init__(self, tmp: Path, *args: str, preexec_fn=None):
         self.path = tmp / "lmx.sock"
         self.log = (tmp / "lmxd.log").open("w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "swarmkv_ffi.conductor.server",
                                       "--socket", str(self.path), "--threads", "1", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+                                     stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
         deadline = time.time() + 60
         while not self._answers():  # the path may pre-exist (a stale socket): wait for a listener
             if self.proc.poll() is not None or time.time() > deadline:

@@ -22,9 +22,10 @@ from ..context import Context
 from ..errors import ModelLoadError, ModelNotFoundError, SwarmKVError
 from ..generate import generate
 from ..snapshot import Snapshot
+from ..procmem import rss_bytes
 from .estimate import Estimate, estimate
 from .ledger import Ledger
-from ..procmem import rss_bytes
+from .modelfile import ModelFile, OpenModel, check_unchanged, fd_path
 from .registry import Loaded, ModelRegistry
 
 AGENT_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -72,7 +73,10 @@ class Agent:
     n_ctx: int
     loaded: Loaded
     estimate: Estimate
+    file: ModelFile                       # identity taken at REGISTER, never re-resolved
+    owner: int = -1                       # uid of the client that registered it
     measured_bytes: int = 0
+    last_used: float = field(default_factory=time.monotonic)
     state: str = "cold"                   # cold | active | suspended
     saved: Snapshot | None = None         # KV in host RAM while suspended
     history: list[int] = field(default_factory=list)   # tokens whose KV is in the state
@@ -97,8 +101,11 @@ class DecodeResult:
 
 
 class Conductor:
-    def __init__(self, ledger: Ledger, table: dict[str, int] | None = None, n_threads: int | None = None):
+    def __init__(self, ledger: Ledger, table: dict[str, int] | None = None, n_threads: int | None = None,
+                 swap: Ledger | None = None, agent_ttl: float = 0):
         self.ledger, self.table = ledger, table or {}
+        self.swap = swap or Ledger(lambda: 1 << 62, name="SWAP")   # host RAM for paused KV
+        self.agent_ttl = agent_ttl
         self.registry = ModelRegistry()
         self.agents: dict[str, Agent] = {}
         self._pending: set[str] = set()        # ids being registered right now
@@ -108,7 +115,7 @@ class Conductor:
         self.n_threads = n_threads
 
     # ---- REGISTER / UNREGISTER ------------------------------------------------------------
-    def register(self, agent_id: str, model: str, n_ctx: int = 2048) -> Agent:
+    def register(self, agent_id: str, model: str, n_ctx: int = 2048, owner: int = -1) -> Agent:
         """estimate → reserve → load → slot; any failure after the reservation undoes it."""
         if not AGENT_ID.match(agent_id):
             raise ConductorError("BAD_REQUEST", "agent_id must be 1-64 of [A-Za-z0-9_.:-]")
@@ -119,52 +126,65 @@ class Conductor:
                 raise ConductorError("DUPLICATE_AGENT", f"agent {agent_id} is already registered")
             self._pending.add(agent_id)
         try:
-            return self._register(agent_id, model, n_ctx)
+            return self._register(agent_id, model, n_ctx, owner)
         finally:
             with self._lock:
                 self._pending.discard(agent_id)
 
-    def _register(self, agent_id: str, model: str, n_ctx: int) -> Agent:
+    def _register(self, agent_id: str, model: str, n_ctx: int, owner: int) -> Agent:
         try:
             path = catalog.resolve(model)
         except ModelNotFoundError as exc:
             raise ConductorError("UNKNOWN_MODEL", str(exc)) from None
-        est = self._estimate(model, path, n_ctx)
-        model_key, agent_key = f"model:{path.resolve()}", f"agent:{agent_id}"
-        shared = self.ledger.held(model_key) > 0
-        # Reserve: this agent's KV + compute, and the weights unless another agent holds them.
-        self.ledger.reserve(agent_key, est.agent_bytes if shared else est.total)
         try:
-            loaded, _ = self.registry.acquire(path, agent_id)
+            with OpenModel(path) as (mf, fd):
+                est = self._estimate(model, mf, fd, n_ctx)
+                with self.registry.gate(mf.key):
+                    loaded, measured = self._admit(agent_id, mf, fd, est, n_ctx)
         except ModelLoadError as exc:
-            self.ledger.release(agent_key)
             raise ConductorError("MODEL_LOAD_FAILED", str(exc)) from None
-        except BaseException:
-            self.ledger.release(agent_key)
-            raise
-        try:
-            measured = self._measure_context(loaded, n_ctx, est.kv)
-        except BaseException as exc:
-            self.registry.release(path, agent_id)
-            self.ledger.release(agent_key)
-            raise ConductorError("MODEL_LOAD_FAILED", f"context for n_ctx={n_ctx} failed: {exc}") from None
-        # Correct the estimate with what was measured; the weights are booked to the
-        # model, once, and follow it until its last agent leaves.
-        self.ledger.adjust(agent_key, measured)
-        self.ledger.book_once(model_key, loaded.measured_bytes)
-        agent = Agent(agent_id, model, path, n_ctx, loaded, est, measured_bytes=measured)
+        agent = Agent(agent_id, model, path, n_ctx, loaded, est, mf, owner=owner, measured_bytes=measured)
         with self._lock:
             self.agents[agent_id] = agent
         return agent
 
-    def _estimate(self, name: str, path: Path, n_ctx: int) -> Estimate:
-        override = self.table.get(name) or self.table.get(str(path))
+    def _admit(self, agent_id: str, mf: ModelFile, fd: int, est: Estimate, n_ctx: int) -> tuple[Loaded, int]:
+        """reserve → load → measure → book what was measured, all within the budget; any
+        failure undoes every step. The caller holds the model's gate, so whether its
+        weights are already booked cannot change under us."""
+        model_key, agent_key = f"model:{mf.key}", f"agent:{agent_id}"
+        shared = self.registry.loaded(mf.key) is not None
+        # This agent's KV + compute, plus the weights unless another agent holds them. A
+        # --vram-table figure has no split: a second agent reserves all of it again.
+        self.ledger.reserve(agent_key, est.agent_bytes if shared and est.agent_bytes else est.total)
+        try:
+            check_unchanged(mf, fd)
+            loaded, newly = self.registry.acquire(mf.key, fd_path(fd), agent_id, name=str(mf.path))
+        except BaseException:
+            self.ledger.release(agent_key)
+            raise
+        try:
+            try:
+                measured = self._measure_context(loaded, n_ctx, est.kv)
+            except Exception as exc:
+                raise ConductorError("MODEL_LOAD_FAILED", f"context for n_ctx={n_ctx} failed: {exc}") from None
+            # Replace the estimate with what was measured; the weights are booked to the
+            # model, once, and follow it until its last agent leaves.
+            bookings = {agent_key: measured}
+            if newly:
+                bookings[model_key] = loaded.measured_bytes
+            self.ledger.settle(bookings)
+        except BaseException:
+            self.registry.release(mf.key, agent_id)
+            self.ledger.release(agent_key)
+            raise
+        return loaded, measured
+
+    def _estimate(self, name: str, mf: ModelFile, fd: int, n_ctx: int) -> Estimate:
+        override = self.table.get(name) or self.table.get(str(mf.path))
         if override:
             return Estimate(weights=override, kv=0, compute=0, source="table")
-        try:
-            return estimate(path, n_ctx)
-        except ModelLoadError as exc:
-            raise ConductorError("MODEL_LOAD_FAILED", str(exc)) from None
+        return estimate(mf, fd, n_ctx)
 
     def _measure_context(self, loaded: Loaded, n_ctx: int, kv_estimate: int) -> int:
         """Create the agent's context once and decode one token in it, so the compute
@@ -183,7 +203,10 @@ class Conductor:
 
     def _new_context(self, loaded: Loaded, n_ctx: int) -> Context:
         kw = {"n_threads": self.n_threads} if self.n_threads else {}
-        return Context(loaded.model, n_ctx=n_ctx, n_batch=512, n_ubatch=512, flash_attn="on", **kw)
+        # swa_full: a sliding-window model (Gemma 3) keeps every cell, so rolling a
+        # conversation back after a cancel or a failure restores exactly what was there.
+        return Context(loaded.model, n_ctx=n_ctx, n_batch=512, n_ubatch=512, flash_attn="on",
+                       swa_full=True, **kw)
 
     def unregister(self, agent_id: str) -> Agent:
         with self.slot:  # never free a context in the middle of its decode
@@ -194,11 +217,28 @@ class Conductor:
             if self.live and self.live[0] is agent:
                 self.live[1].close()
                 self.live = None
-            agent.saved = None
+            self._drop_saved(agent)
         self.ledger.release(f"agent:{agent_id}")
-        if self.registry.release(agent.path, agent_id):
-            self.ledger.release(f"model:{agent.path.resolve()}")
+        with self.registry.gate(agent.file.key):
+            if self.registry.release(agent.file.key, agent_id):
+                self.ledger.release(f"model:{agent.file.key}")
         return agent
+
+    def expire_idle(self) -> list[str]:
+        """Unregister agents unused for agent_ttl seconds (0: never); returns their ids."""
+        if not self.agent_ttl:
+            return []
+        cutoff = time.monotonic() - self.agent_ttl
+        with self._lock:
+            stale = [a.id for a in self.agents.values() if a.last_used < cutoff]
+        expired = []
+        for agent_id in stale:
+            try:
+                self.unregister(agent_id)
+                expired.append(agent_id)
+            except ConductorError:
+                pass  # unregistered meanwhile
+        return expired
 
     def get(self, agent_id: str) -> Agent:
         with self._lock:
@@ -214,6 +254,7 @@ class Conductor:
         with self.slot:
             t0 = time.perf_counter_ns()
             agent = self.get(agent_id)
+            agent.last_used = time.monotonic()
             if should_stop and should_stop():
                 return DecodeResult(agent_id, 0, 0, False, 0.0, None, False, "", cancelled=True)
             evicted, restored, ctx = self._swap_in(agent)
@@ -228,9 +269,13 @@ class Conductor:
                                      f"context + {len(tokens)} new + max_tokens {max_tokens} = {need} > "
                                      f"n_ctx {ctx.n_ctx}; RESET it or register with a larger n_ctx")
             before = len(agent.history)
-            gen = generate(ctx, tokens, max_tokens=max_tokens, pos0=before, should_stop=should_stop)
+            try:
+                gen = generate(ctx, tokens, max_tokens=max_tokens, pos0=before, should_stop=should_stop)
+            except BaseException as exc:
+                self._roll_back(agent, ctx, before, exc)
+                raise
             if gen.cancelled:  # the client left: the conversation is as it was before
-                ctx.seq_rm(0, before, -1)
+                self._roll_back(agent, ctx, before)
                 return DecodeResult(agent_id, len(new), 0, False, 0.0, evicted, restored, "", cancelled=True)
             # The last sampled token is in the KV only if another was sampled after it:
             # after an end-of-generation stop all of them are; after max_tokens the last
@@ -244,6 +289,27 @@ class Conductor:
             return DecodeResult(agent_id, len(new), len(gen.tokens), gen.stopped_on_eog,
                                 (time.perf_counter_ns() - t0) / 1e6, evicted, restored, gen.text)
 
+    def _roll_back(self, agent: Agent, ctx: Context, n_keep: int, cause: BaseException | None = None) -> None:
+        """Leave the live context holding exactly the agent's history (positions < n_keep),
+        so one failed DECODE cannot break the next one, this agent's or another's. If the
+        cells cannot be removed, the live state is dropped and the agent starts over."""
+        try:
+            ctx.seq_rm(0, n_keep, -1)
+            if ctx.seq_pos_max(0) != n_keep - 1:
+                raise RuntimeError(f"cells past position {n_keep - 1} remain")
+        except Exception as exc:
+            ctx.close()
+            self.live = None
+            agent.history, agent.pending, agent.state = [], None, "cold"
+            self._drop_saved(agent)
+            raise ConductorError("INTERNAL", f"agent {agent.id}: {cause or 'cancelled'}; rolling back "
+                                 f"failed ({exc}), so its conversation was reset") from cause
+        agent.state = "active"
+
+    def _drop_saved(self, agent: Agent) -> None:
+        agent.saved = None
+        self.swap.release(f"swap:{agent.id}")
+
     def _swap_in(self, agent: Agent) -> tuple[str | None, bool, Context]:
         """Make `agent` the live one; returns (evicted agent id, restored?, its context)."""
         if self.live and self.live[0] is agent:
@@ -251,7 +317,14 @@ class Conductor:
         evicted = None
         if self.live:
             other, ctx = self.live
-            other.saved = Snapshot.capture(ctx, 0, other.history) if other.history else None
+            if other.history:
+                # Host RAM for the paused KV comes out of the swap budget, or nothing moves.
+                self.swap.reserve(f"swap:{other.id}", max(1, ctx.seq_state_size(0)))
+                try:
+                    other.saved = Snapshot.capture(ctx, 0, other.history)
+                except BaseException:
+                    self.swap.release(f"swap:{other.id}")
+                    raise
             other.state = "suspended" if other.saved else "cold"
             ctx.close()
             self.live, evicted = None, other.id
@@ -263,7 +336,8 @@ class Conductor:
             except BaseException:
                 ctx.close()
                 raise
-            agent.saved, restored = None, True
+            self._drop_saved(agent)
+            restored = True
         agent.state = "active"
         self.live = (agent, ctx)
         return evicted, restored, ctx
@@ -271,9 +345,11 @@ class Conductor:
     def reset(self, agent_id: str) -> None:
         with self.slot:
             agent = self.get(agent_id)
+            agent.last_used = time.monotonic()
             if self.live and self.live[0] is agent:
                 self.live[1].clear()
-            agent.history, agent.pending, agent.saved = [], None, None
+            agent.history, agent.pending = [], None
+            self._drop_saved(agent)
             agent.state = "active" if self.live and self.live[0] is agent else "cold"
 
     def close(self) -> None:

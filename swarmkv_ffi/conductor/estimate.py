@@ -16,11 +16,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import ModelLoadError
+from .modelfile import ModelFile, read_header
 
 N_UBATCH = 512
 KV_BYTES = 2  # f16 cache
 
-_cache: dict[tuple, "Estimate"] = {}
+_cache: dict[tuple, dict] = {}
+_parsing: dict[tuple, threading.Lock] = {}   # one parse per file; others wait for it
 _lock = threading.Lock()
 
 
@@ -72,19 +74,22 @@ def _facts(path: Path) -> dict:
         "value_length": get(f"{arch}.attention.value_length", n_embd // n_head),
         "n_vocab": len(tokens.data) if tokens is not None else 32000,
         "weights": sum(int(t.n_bytes) for t in reader.tensors),
+        "header_bytes": int(reader.data_offset),
     }
 
 
-def estimate(path: Path, n_ctx: int) -> Estimate:
-    """The GGUF-derived estimate (facts cached per file: reading a vocabulary is slow)."""
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+def estimate(mf: ModelFile, fd: int, n_ctx: int) -> Estimate:
+    """The GGUF-derived estimate for an opened, checked model file (modelfile.py); the
+    facts are cached per file identity, since reading a vocabulary is slow."""
     with _lock:
-        facts = _cache.get(key)
-    if facts is None:
-        facts = _facts(path)
+        gate = _parsing.setdefault(mf.identity, threading.Lock())
+    with gate:
         with _lock:
-            _cache[key] = facts
+            facts = _cache.get(mf.identity)
+        if facts is None:
+            facts = read_header(mf, fd, _facts)
+            with _lock:
+                _cache[mf.identity] = facts
     kv = n_ctx * facts["n_layer"] * facts["n_head_kv"] * (facts["key_length"] + facts["value_length"]) * KV_BYTES
     compute = 4 * N_UBATCH * (facts["n_vocab"] + 4 * facts["n_embd"] + facts["n_head"] * n_ctx)
     return Estimate(weights=facts["weights"], kv=kv, compute=compute)

@@ -7,6 +7,7 @@ END_RESPONSE or start with "." get one extra leading "." (dot-stuffing, as in SM
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 SCHEMA = "lmx-daemon/1"
@@ -23,7 +24,11 @@ ERROR_CODES = {
     "VRAM_LEDGER_DENY": "code=CAP: the agent does not fit the memory budget (numbers follow)",
     "MODEL_LOAD_FAILED": "the model file or its context could not be loaded",
     "CONTEXT_FULL": "the conversation would exceed the agent's n_ctx; RESET it",
-    "FORBIDDEN": "the connecting user may not use this daemon",
+    "FORBIDDEN": "the connecting user may not use this daemon, or the agent belongs to another user",
+    "BUSY": "the daemon serves its maximum number of clients; try again later",
+    "CANCELLED": "the request was stopped before it finished (the client disconnected); nothing changed",
+    "SWAP_BUDGET_DENY": "no host RAM left in the swap budget to keep a paused agent's KV (numbers follow)",
+    "IDLE_TIMEOUT": "the connection sent nothing for the idle timeout and was closed",
     "INTERNAL": "an unexpected failure; the daemon logged it and keeps running",
 }
 
@@ -51,11 +56,14 @@ class Request:
     args: dict
 
 
+DECIMAL = re.compile(r"[0-9]{1,18}")
+
+
 def _int(name: str, text: str) -> int:
-    try:
-        return int(text, 10)
-    except ValueError:
-        raise ProtocolError("BAD_REQUEST", f"{name} must be an integer, got {text[:32]!r}") from None
+    """Plain ASCII decimal digits only: no sign, no '_', no other scripts' digits."""
+    if not DECIMAL.fullmatch(text):
+        raise ProtocolError("BAD_REQUEST", f"{name} must be a decimal integer, got {escape(text[:32])}")
+    return int(text, 10)
 
 
 def _arity(verb: str, parts: list[str], n: int, usage: str) -> None:
@@ -104,8 +112,15 @@ def parse(raw: bytes) -> Request:
     raise ProtocolError("UNKNOWN_VERB", f"unknown verb {verb[:32]!r} (try HELP)")
 
 
+def escape(text: str) -> str:
+    """A value safe inside a reply line: whitespace, control characters and backslashes
+    become \\xNN, so no value can end a line, split a field or fake another line."""
+    return "".join(f"\\x{ord(c):02x}" if c.isspace() or ord(c) < 32 or ord(c) == 127 or c == "\\"
+                   or not c.isprintable() else c for c in text)
+
+
 def kv(**pairs) -> str:
-    """'key=value key=value', booleans lower-case, None as '-'."""
+    """'key=value key=value', booleans lower-case, None as '-', strings escaped."""
     def fmt(v):
         if isinstance(v, bool):
             return str(v).lower()
@@ -113,7 +128,7 @@ def kv(**pairs) -> str:
             return "-"
         if isinstance(v, float):
             return f"{v:.3f}"
-        return str(v)
+        return escape(str(v))
     return " ".join(f"{k}={fmt(v)}" for k, v in pairs.items())
 
 
@@ -123,14 +138,16 @@ def ok(verb: str, lines: list[str], body: str | None = None, **invoke) -> str:
     if body is not None:
         out.append("BEGIN_RESPONSE")
         for line in body.split("\n"):
-            out.append("." + line if line == "END_RESPONSE" or line.startswith(".") else line)
+            stuffed = line.rstrip("\r") == "END_RESPONSE" or line.startswith(".")
+            out.append("." + line if stuffed else line)
         out.append("END_RESPONSE")
     out.append(FINAL_OK)
     return "\n".join(out) + "\n"
 
 
 def err(code: str, message: str) -> str:
-    return f"ERR {code} {' '.join(message.split())}\n"
+    """One line; whitespace runs become one space and control characters are escaped."""
+    return f"ERR {code} {escape(' '.join(message.split())).replace(chr(92) + 'x20', ' ')}\n"
 
 
 def help_reply() -> str:

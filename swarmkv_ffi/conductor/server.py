@@ -1,16 +1,20 @@
 """lmxd: the conductor daemon on a Unix socket.
 
-One thread per client connection. DECODEs queue in arrival order on the compute slot;
-STATUS, LIST and HELP never wait for it. The socket is created with mode 0600 and every
-peer's uid is checked (SO_PEERCRED). Lines longer than the cap are answered with
-LINE_TOO_LONG and skipped without being stored. SIGTERM/SIGINT stop the daemon cleanly
-and remove the socket; a stale socket file is reclaimed, a live daemon's is not.
+One thread per client connection, at most --max-clients of them (the next one gets
+ERR BUSY); a connection idle for --idle-timeout seconds is closed. DECODEs queue in
+arrival order on the compute slot; STATUS, LIST and HELP never wait for it. The socket is
+created with mode 0600 and every peer's uid is checked (SO_PEERCRED); each agent belongs
+to the uid that registered it. Lines longer than the cap are answered with LINE_TOO_LONG
+and skipped without being stored. Running out of file descriptors or threads is answered,
+never fatal. SIGTERM/SIGINT stop the daemon cleanly and remove the socket; a stale socket
+file is reclaimed, a live daemon's is not.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import errno
 import select
 import signal
 import socket
@@ -30,6 +34,9 @@ from .memory import DeviceMemory
 
 log = logging.getLogger("lmxd")
 DEFAULT_LINE_CAP = 64 * 1024
+DEFAULT_MAX_CLIENTS = 256
+DEFAULT_IDLE_TIMEOUT = 900.0
+GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
 class DaemonError(SwarmKVError):
@@ -43,13 +50,17 @@ def peer_uid(conn: socket.socket) -> int:
 
 
 def client_gone(conn: socket.socket) -> bool:
-    """True once the peer has closed its end (readable, and a peek reads nothing)."""
+    """True once the peer has closed the connection (POLLHUP), not merely its write side.
+
+    A client that sends its request and then shutdown(SHUT_WR)s (nc -N, socat) still
+    waits for the reply: on a Unix socket that is POLLIN|POLLRDHUP, without POLLHUP.
+    poll(), unlike select(), works for any descriptor number.
+    """
     try:
-        readable, _, _ = select.select([conn], [], [], 0)
-        return bool(readable) and conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (BlockingIOError, InterruptedError):
-        return False
-    except OSError:
+        poller = select.poll()
+        poller.register(conn.fileno(), select.POLLIN)
+        return any(events & GONE for _fd, events in poller.poll(0))
+    except (OSError, ValueError):
         return True
 
 
@@ -74,16 +85,18 @@ def bind_socket(path: Path, mode: int = 0o600) -> socket.socket:
     finally:
         os.umask(old)
     os.chmod(path, mode)
-    sock.listen(64)
+    sock.listen(socket.SOMAXCONN)
     return sock
 
 
 class Server:
     def __init__(self, socket_path: Path, conductor: Conductor, memory: DeviceMemory,
-                 allow_uids: set[int] | None = None, line_cap: int = DEFAULT_LINE_CAP):
+                 allow_uids: set[int] | None = None, line_cap: int = DEFAULT_LINE_CAP,
+                 max_clients: int = DEFAULT_MAX_CLIENTS, idle_timeout: float = DEFAULT_IDLE_TIMEOUT):
         self.path, self.conductor, self.memory = Path(socket_path), conductor, memory
         self.allowed = {os.getuid()} | set(allow_uids or ())
-        self.line_cap = line_cap
+        self.line_cap, self.max_clients, self.idle_timeout = line_cap, max_clients, idle_timeout
+        self._clients = threading.BoundedSemaphore(max_clients)
         self.started = time.time()
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
@@ -95,15 +108,14 @@ class Server:
         self._sock = bind_socket(self.path, 0o600 if self.allowed == {os.getuid()} else 0o666)
         log.info("listening on %s (budget %d bytes, %s)", self.path, self.conductor.ledger.limit(),
                  self.memory.reading.source)
+        self._sock.settimeout(0.2)
+        if self.conductor.agent_ttl:
+            threading.Thread(target=self._expire_agents, daemon=True).start()
         try:
             while not self._stop.is_set():
-                readable, _, _ = select.select([self._sock], [], [], 0.2)
-                if not readable:
-                    continue
-                conn, _ = self._sock.accept()
-                t = threading.Thread(target=self._serve_client, args=(conn,), daemon=True)
-                self._threads.add(t)
-                t.start()
+                conn = self._accept()
+                if conn is not None:
+                    self._start_client(conn)
         finally:
             self._sock.close()
             try:
@@ -115,6 +127,52 @@ class Server:
     def stop(self, *_signal) -> None:
         self._stop.set()
 
+    def _expire_agents(self) -> None:
+        """Apart from the accept loop: unregistering waits for a running DECODE."""
+        while not self._stop.wait(1.0):
+            for agent_id in self.conductor.expire_idle():
+                log.info("UNREGISTER %s expired (unused for --agent-ttl)", agent_id)
+
+    def _accept(self) -> socket.socket | None:
+        """The next connection, or None (timeout, or a transient failure that was logged)."""
+        try:
+            conn, _ = self._sock.accept()
+        except socket.timeout:
+            return None
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                log.warning("accept failed (%s); waiting for descriptors to free up", exc.strerror)
+                time.sleep(0.1)
+                return None
+            raise
+        conn.settimeout(None)
+        return conn
+
+    def _start_client(self, conn: socket.socket) -> None:
+        """One thread for the connection, or ERR BUSY when the daemon has no room for it."""
+        if not self._clients.acquire(blocking=False):
+            self._refuse(conn, f"{self.max_clients} clients connected (--max-clients); try again later")
+            return
+        t = threading.Thread(target=self._serve_client, args=(conn,), daemon=True)
+        self._threads.add(t)
+        try:
+            t.start()
+        except RuntimeError as exc:  # "can't start new thread"
+            self._threads.discard(t)
+            self._clients.release()
+            self._refuse(conn, f"cannot start a thread for this client ({exc})")
+
+    @staticmethod
+    def _refuse(conn: socket.socket, why: str) -> None:
+        log.warning("refused a client: %s", why)
+        try:
+            conn.settimeout(1.0)
+            conn.sendall(protocol.err("BUSY", why).encode())
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
     # ---- one client ----------------------------------------------------------------------------
     def _serve_client(self, conn: socket.socket) -> None:
         try:
@@ -123,9 +181,15 @@ class Server:
                 log.warning("refused connection from uid %d", uid)
                 conn.sendall(protocol.err("FORBIDDEN", f"uid {uid} may not use this daemon").encode())
                 return
+            if self.idle_timeout:
+                conn.settimeout(self.idle_timeout)
             reader = conn.makefile("rb")
             while not self._stop.is_set():
-                line = reader.readline(self.line_cap + 1)
+                try:
+                    line = reader.readline(self.line_cap + 1)
+                except socket.timeout:
+                    self._send(conn, protocol.err("IDLE_TIMEOUT", f"nothing received for {self.idle_timeout:g} s"))
+                    return
                 if not line:
                     return
                 if len(line) > self.line_cap and not line.endswith(b"\n"):
@@ -133,13 +197,14 @@ class Server:
                     self._send(conn, protocol.err("LINE_TOO_LONG", f"line exceeds {self.line_cap} bytes"))
                     log.info("- - LINE_TOO_LONG 0.0ms")
                     continue
-                if not self._send(conn, self._answer(line.rstrip(b"\n"), conn)):
+                if not self._send(conn, self._answer(line.rstrip(b"\n"), conn, uid)):
                     return
         except OSError:
             pass
         finally:
             conn.close()
             self._threads.discard(threading.current_thread())
+            self._clients.release()
 
     def _skip_line(self, reader) -> None:
         """Discard the rest of an over-long line, chunk by chunk, storing none of it."""
@@ -156,19 +221,19 @@ class Server:
         except OSError:
             return False
 
-    def _answer(self, line: bytes, conn: socket.socket) -> str:
+    def _answer(self, line: bytes, conn: socket.socket, uid: int) -> str:
         t0 = time.perf_counter()
         verb, agent, result = "-", "-", "OK"
         try:
             req = protocol.parse(line)
             verb, agent = req.verb, req.args.get("agent_id", "-")
-            reply = self._dispatch(req, conn)
+            reply = self._dispatch(req, conn, uid)
         except protocol.ProtocolError as exc:
             result, reply = exc.code, protocol.err(exc.code, str(exc))
         except ConductorError as exc:
             result, reply = exc.code, protocol.err(exc.code, str(exc))
         except LedgerDenied as exc:
-            result, reply = "VRAM_LEDGER_DENY", f"ERR {exc}\n"
+            result, reply = exc.code, f"ERR {exc}\n"
         except Exception as exc:  # the daemon outlives any one request
             log.exception("internal error on %s", verb)
             result, reply = "INTERNAL", protocol.err("INTERNAL", f"{type(exc).__name__}: {exc}")
@@ -176,16 +241,28 @@ class Server:
         return reply
 
     # ---- verbs -----------------------------------------------------------------------------------
-    def _dispatch(self, req: protocol.Request, conn: socket.socket) -> str:
+    def _sees_all(self, uid: int) -> bool:
+        """The daemon's own user administers every agent; any other sees only its own."""
+        return uid == os.getuid()
+
+    def _owned(self, agent_id: str, uid: int):
+        agent = self.conductor.get(agent_id)
+        if agent.owner != uid and not self._sees_all(uid):
+            raise ConductorError("FORBIDDEN", f"agent {agent_id} belongs to another user")
+        return agent
+
+    def _dispatch(self, req: protocol.Request, conn: socket.socket, uid: int) -> str:
         c, a = self.conductor, req.args
         if req.verb == "HELP":
             return protocol.help_reply()
         if req.verb == "STATUS":
-            return self._status()
+            return self._status(uid)
         if req.verb == "LIST":
-            return self._list()
+            return self._list(uid)
+        if "agent_id" in a and req.verb != "REGISTER":
+            self._owned(a["agent_id"], uid)
         if req.verb == "REGISTER":
-            agent = c.register(a["agent_id"], a["model"], a["n_ctx"])
+            agent = c.register(a["agent_id"], a["model"], a["n_ctx"], owner=uid)
             e = agent.estimate
             return protocol.ok("REGISTER", [
                 protocol.kv(estimate_bytes=e.total, weights_bytes=e.weights, kv_bytes=e.kv,
@@ -204,6 +281,9 @@ class Server:
             return protocol.ok("RESET", [], agent_id=a["agent_id"])
         if req.verb == "DECODE":
             r = c.decode(a["agent_id"], a["max_tokens"], a["prompt"], should_stop=lambda: client_gone(conn))
+            if r.cancelled:
+                raise ConductorError("CANCELLED", f"agent {r.agent_id}: the client disconnected; "
+                                     "the conversation is as it was before this DECODE")
             return protocol.ok("DECODE", [
                 protocol.kv(prompt_tokens=r.prompt_tokens, generated_tokens=r.generated_tokens,
                             stopped_on_eos=r.stopped_on_eos),
@@ -212,7 +292,11 @@ class Server:
             ], body=r.text, agent_id=r.agent_id)
         raise protocol.ProtocolError("UNKNOWN_VERB", req.verb)
 
-    def _status(self) -> str:
+    def _visible(self, uid: int) -> list:
+        agents = list(self.conductor.agents.values())
+        return agents if self._sees_all(uid) else [x for x in agents if x.owner == uid]
+
+    def _status(self, uid: int) -> str:
         c, m = self.conductor, self.memory.refresh()
         limit, allocated = c.ledger.limit(), c.ledger.allocated
         lines = [
@@ -221,24 +305,31 @@ class Server:
             protocol.kv(device_source=m.source, device_total_bytes=m.total, device_used_bytes=m.used,
                         device_free_bytes=m.free, device_used_by_others_bytes=m.others,
                         budget_fixed=self.memory.budget_bytes is not None),
+            protocol.kv(swap_max_bytes=c.swap.limit(), swap_allocated_bytes=c.swap.allocated),
             protocol.kv(agents=len(c.agents), decode_queue=c.slot.waiting,
-                        live_agent=c.live[0].id if c.live else None,
+                        live_agent=c.live[0].id if c.live and c.live[0] in self._visible(uid) else None,
                         uptime_s=round(time.time() - self.started, 1)),
         ]
-        for path, refs, measured in c.registry.snapshot():
-            lines.append(f"model path={path} refcount={refs} measured_bytes={measured}")
-        for agent in list(c.agents.values()):
+        if self._sees_all(uid):
+            for path, refs, measured in c.registry.snapshot():
+                lines.append("model " + protocol.kv(path=path, refcount=refs, measured_bytes=measured))
+        for agent in self._visible(uid):
             lines.append(protocol.kv(agent=agent.id, estimate_bytes=agent.estimate.total,
                                      actual_bytes=agent.measured_bytes + agent.loaded.measured_bytes))
         return protocol.ok("STATUS", lines)
 
-    def _list(self) -> str:
+    def _list(self, uid: int) -> str:
         c = self.conductor
         lines = [protocol.kv(agent_id=a.id, model=a.model_name, reserved_bytes=c.ledger.held(f"agent:{a.id}"),
                              state=a.state, kv_host_bytes=a.saved.nbytes if a.saved else 0,
                              tokens=a.tokens_in_context, n_ctx=a.n_ctx)
-                 for a in list(c.agents.values())]
+                 for a in self._visible(uid)]
         return protocol.ok("LIST", lines, agents=len(lines))
+
+
+def default_swap_budget() -> int:
+    """A quarter of the host's RAM: paused agents' KV must not push the host into swap."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -257,6 +348,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "Without it the socket is mode 0600; with it 0666, and each peer's uid is "
                         "checked with SO_PEERCRED")
     p.add_argument("--line-cap", type=int, default=DEFAULT_LINE_CAP, help="longest request line in bytes")
+    p.add_argument("--max-clients", type=int, default=DEFAULT_MAX_CLIENTS,
+                   help=f"connections served at once; the next gets ERR BUSY (default {DEFAULT_MAX_CLIENTS})")
+    p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT,
+                   help=f"close a connection that sends nothing for this many seconds, 0 = never "
+                        f"(default {DEFAULT_IDLE_TIMEOUT:g})")
+    p.add_argument("--swap-budget-bytes", type=int, default=None,
+                   help="host RAM for paused agents' KV snapshots (default: 25%% of host RAM)")
+    p.add_argument("--agent-ttl", type=float, default=0,
+                   help="unregister an agent unused for this many seconds, 0 = never (default 0)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per context")
     p.add_argument("-v", "--verbose", action="store_true", help="also show libllama's log")
     return p
@@ -272,8 +372,15 @@ def main(argv: list[str] | None = None) -> int:
         memory = DeviceMemory(args.device, args.budget_bytes, args.admission_percent)
         if args.line_cap < 64:
             raise ValueError("--line-cap must be at least 64 bytes")
-        conductor = Conductor(Ledger(memory.budget), table, n_threads=args.threads)
-        server = Server(Path(args.socket), conductor, memory, set(args.allow_uid), args.line_cap)
+        if args.max_clients < 1 or args.idle_timeout < 0 or args.agent_ttl < 0:
+            raise ValueError("--max-clients must be >= 1; --idle-timeout and --agent-ttl >= 0")
+        swap = args.swap_budget_bytes if args.swap_budget_bytes is not None else default_swap_budget()
+        if swap < 0:
+            raise ValueError("--swap-budget-bytes must be >= 0")
+        conductor = Conductor(Ledger(memory.budget), table, n_threads=args.threads,
+                              swap=Ledger(lambda: swap, name="SWAP"), agent_ttl=args.agent_ttl)
+        server = Server(Path(args.socket), conductor, memory, set(args.allow_uid), args.line_cap,
+                        args.max_clients, args.idle_timeout)
         signal.signal(signal.SIGTERM, server.stop)
         signal.signal(signal.SIGINT, server.stop)
         server.serve_forever()

@@ -1,0 +1,111 @@
+"""A client-named model file, opened once and checked before anything reads it.
+
+lmxd loads files that local clients name, so the path is hostile until proven otherwise:
+a FIFO would hang a read, a device never ends, a file truncated while mmapped kills the
+process with SIGBUS, and a symlink can be retargeted between two looks. So the file is
+opened once (non-blocking, so a FIFO cannot hang the open), `fstat`ed on that descriptor
+(regular file, sane size), its GGUF header is copied out and parsed from the copy, and
+libllama is given `/proc/self/fd/N`: the very file that was checked. The agent keeps the
+file's identity (device, inode, size, mtime) and never resolves the path again.
+"""
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ModelLoadError
+
+MIN_BYTES = 32                 # a GGUF header is at least this long
+HEADER_COPY = 16 << 20         # first try: metadata + tensor infos of typical models
+HEADER_COPY_MAX = 512 << 20    # a header larger than this is not a model we can serve
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    path: Path                     # as the client named it (for messages)
+    identity: tuple[int, int, int, int]
+
+    @property
+    def key(self) -> str:
+        """Registry and ledger key: the same bytes on disk, whatever path names them."""
+        return "{}:{}:{}:{}".format(*self.identity)
+
+
+class OpenModel:
+    """`with OpenModel(path) as (mf, fd):` checks the file and keeps it open."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.fd = -1
+
+    def __enter__(self) -> tuple[ModelFile, int]:
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+        try:
+            self.fd = os.open(self.path, flags)
+        except OSError as exc:
+            raise ModelLoadError(f"cannot open {self.path}: {exc.strerror}") from None
+        try:
+            st = os.fstat(self.fd)
+            if not stat.S_ISREG(st.st_mode):
+                kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                        else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a socket")
+                raise ModelLoadError(f"{self.path} is {kind}, not a regular GGUF file")
+            if st.st_size < MIN_BYTES:
+                raise ModelLoadError(f"{self.path} is {st.st_size} bytes: too small to be a GGUF model")
+            os.set_blocking(self.fd, True)
+        except BaseException:
+            self.close()
+            raise
+        return ModelFile(self.path, identity(st)), self.fd
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def fd_path(fd: int) -> str:
+    """A path that opens exactly this descriptor's file (Linux)."""
+    return f"/proc/self/fd/{fd}"
+
+
+def check_unchanged(mf: ModelFile, fd: int) -> None:
+    """Refuse a file that changed (grew, shrank, rewritten) since it was checked."""
+    if identity(os.fstat(fd)) != mf.identity:
+        raise ModelLoadError(f"{mf.path} changed while it was being read; try again once it is complete")
+
+
+def read_header(mf: ModelFile, fd: int, parse):
+    """parse(path) on a private copy of the file's header: the header's bytes, then a
+    sparse hole up to the file's size. `parse` returns a dict whose "header_bytes" says
+    how much of the file the header really took; a larger header is copied again. Nothing the client does to the file afterwards can
+    reach the copy (no SIGBUS). Copies more if the header is larger than the first try."""
+    size = mf.identity[2]
+    want = min(size, HEADER_COPY)
+    while True:
+        with tempfile.NamedTemporaryFile(prefix="lmxd-header-", suffix=".gguf") as copy:
+            data = os.pread(fd, want, 0)
+            copy.write(data)
+            copy.truncate(size)
+            copy.flush()
+            check_unchanged(mf, fd)
+            try:
+                facts = parse(Path(copy.name))
+                if facts.get("header_bytes", 0) <= want:
+                    return facts
+            except ModelLoadError:
+                if want >= size or want >= HEADER_COPY_MAX:
+                    raise
+            if want >= size or want >= HEADER_COPY_MAX:
+                raise ModelLoadError(f"{mf.path}: GGUF header larger than {want} bytes")
+        want = min(size, want * 4, HEADER_COPY_MAX)

@@ -1,0 +1,351 @@
+"""lmxd under abuse and faults (issue 13): descriptors past 1024, running out of them,
+client limits, idle connections, FIFOs and files that change under the daemon, half-closed
+clients, failures in the middle of a DECODE, the ledgers, ownership, protocol hygiene.
+A real daemon on a real socket with the real model unless the fault cannot be made
+from outside (then the Conductor runs in this process)."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from swarmkv_ffi import catalog
+from swarmkv_ffi.conductor import protocol
+from swarmkv_ffi.conductor.client import LmxError
+from test_conductor import SYSTEM_PYTHON, Daemon
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def read_until_final(sock: socket.socket) -> list[str]:
+    reader = sock.makefile("rb")
+    lines = []
+    while True:
+        raw = reader.readline()
+        if not raw:
+            return lines
+        line = raw.decode().rstrip("\n")
+        lines.append(line)
+        if line == protocol.FINAL_OK or line.startswith("ERR "):
+            return lines
+
+
+def connect(d: Daemon) -> socket.socket:
+    """A raw connection, retried while the daemon's listen backlog is full."""
+    for _ in range(200):
+        try:
+            return d.raw_socket()
+        except BlockingIOError:
+            time.sleep(0.05)
+    raise TimeoutError("the daemon's backlog never drained")
+
+
+@pytest.fixture
+def raise_fd_limit():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard, 4096)
+    if want < 2200:
+        pytest.skip(f"needs RLIMIT_NOFILE >= 2200, hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_connection_past_descriptor_1024_can_decode(tmp_path, raise_fd_limit):
+    d = Daemon(tmp_path, "--max-clients", "2000")
+    idle = []
+    try:
+        with d.client() as c:
+            c.register("far", "smollm2-135m", n_ctx=256)
+        for _ in range(1040):           # the daemon's descriptors climb past 1024
+            idle.append(connect(d))
+        for s in idle[-3:]:
+            assert s.sendall(b"STATUS\n") is None and read_until_final(s)[-1] == "OK done"
+        with d.client() as c:
+            reply = c.decode("far", 2, "Hello")
+            assert int(reply["fields"]["generated_tokens"]) >= 1
+    finally:
+        for s in idle:
+            s.close()
+        d.stop()
+
+
+def test_running_out_of_descriptors_is_not_fatal(tmp_path):
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    d = Daemon(tmp_path, "--max-clients", "1000", preexec_fn=low_limit)
+    held = []
+    try:
+        for _ in range(100):             # more than the daemon has descriptors for
+            try:
+                held.append(connect(d))
+            except (OSError, TimeoutError):
+                break
+        time.sleep(1.0)
+        assert d.proc.poll() is None, "the daemon died when accept() hit EMFILE"
+        for s in held:
+            s.close()
+        time.sleep(0.5)
+        with d.client() as c:
+            assert c.status()["fields"]["agents"] == "0"
+        assert "accept failed" in d.logs()
+    finally:
+        d.stop()
+
+
+def test_max_clients_answers_busy(tmp_path):
+    d = Daemon(tmp_path, "--max-clients", "2")
+    try:
+        a, b = d.raw_socket(), d.raw_socket()
+        for s in (a, b):
+            s.sendall(b"HELP\n")
+            read_until_final(s)
+        third = d.raw_socket()
+        line = third.makefile("rb").readline().decode()
+        assert line.startswith("ERR BUSY 2 clients connected")
+        a.close()
+        time.sleep(0.3)
+        with d.client() as c:
+            assert c.status()
+        b.close()
+    finally:
+        d.stop()
+
+
+def test_idle_connection_is_closed_with_a_reason(tmp_path):
+    d = Daemon(tmp_path, "--idle-timeout", "1")
+    try:
+        s = d.raw_socket()
+        reader = s.makefile("rb")
+        assert reader.readline().decode().startswith("ERR IDLE_TIMEOUT")
+        assert reader.readline() == b""
+    finally:
+        d.stop()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("lmxd-abuse"))
+    yield d
+    assert d.stop() == 0
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dir", "dev"])
+def test_non_regular_model_files_are_refused_fast(daemon, tmp_path, kind):
+    if kind == "fifo":
+        path = tmp_path / "model.gguf"
+        os.mkfifo(path)
+    else:
+        path = tmp_path if kind == "dir" else Path("/dev/zero")
+    t0 = time.time()
+    with daemon.client() as c:
+        lines = c.raw(f"REGISTER odd-{kind} {path}")
+    assert time.time() - t0 < 10
+    assert lines[-1].startswith("ERR MODEL_LOAD_FAILED"), lines
+    assert {"fifo": "a FIFO", "dir": "a directory", "dev": "a device"}[kind] in lines[-1]
+
+
+def test_half_closed_client_gets_the_whole_answer(daemon):
+    with daemon.client() as c:
+        c.register("half", "smollm2-135m", n_ctx=256)
+    s = daemon.raw_socket()
+    s.sendall(b"DECODE half 8 Hello there\n")
+    s.shutdown(socket.SHUT_WR)
+    lines = read_until_final(s)
+    s.close()
+    assert lines[-1] == "OK done", lines
+    fields = protocol_fields(lines)
+    assert int(fields["generated_tokens"]) >= 1 and int(fields["prompt_tokens"]) >= 1
+
+
+def test_cancelled_decode_is_logged_as_cancelled(daemon):
+    with daemon.client() as c:
+        c.register("gone", "smollm2-135m", n_ctx=512)
+    s = daemon.raw_socket()
+    s.sendall(b"DECODE gone 300 Tell me everything about foxes\n")
+    time.sleep(0.5)
+    s.close()
+    with daemon.client() as c:
+        c.decode("gone", 1, "again")   # waits for the abandoned decode to stop
+    assert "DECODE gone CANCELLED" in daemon.logs()
+
+
+def protocol_fields(lines):
+    fields = {}
+    for line in lines:
+        if line.startswith("OK "):
+            for pair in line[3:].split():
+                key, _, value = pair.partition("=")
+                fields[key] = value
+    return fields
+
+
+@pytest.mark.parametrize("line", ["DECODE a +5 hi", "DECODE a 1_000 hi", "REGISTER x smollm2-135m n_ctx=1_024",
+                                  "DECODE a \u0663 hi", "DECODE a -1 hi"])
+def test_numbers_are_plain_decimal_digits(daemon, line):
+    with daemon.client() as c:
+        assert c.raw(line)[-1].startswith("ERR BAD_REQUEST"), line
+
+
+def test_reply_values_and_body_lines_cannot_break_the_framing():
+    reply = protocol.ok("X", [protocol.kv(path="/tmp/a\nOK done\r")], body="one\nEND_RESPONSE\r\ntwo")
+    lines = reply.split("\n")
+    assert "OK path=/tmp/a\\x0aOK\\x20done\\x0d" in lines
+    assert ".END_RESPONSE\r" in lines and lines.count("OK done") == 1
+    assert "\n" not in protocol.err("X", "a\nb\x01c").rstrip("\n")
+
+
+def test_symlink_retargeted_after_register_frees_the_right_model(daemon, tmp_path):
+    link = tmp_path / "model.gguf"
+    link.symlink_to(catalog.resolve("smollm2-135m"))
+    with daemon.client() as c:
+        c.register("via-link", str(link), n_ctx=256)
+        link.unlink()
+        link.symlink_to(catalog.resolve("gemma3-270m"))
+        c.register("gem-direct", "gemma3-270m", n_ctx=256)
+        c.unregister("via-link")
+        models = [line for line in c.status()["lines"] if line.startswith("OK model ")]
+        assert any("gemma" in m and "refcount=1" in m for m in models), models
+        assert not any(str(link).replace(" ", "\\x20") in m for m in models), models
+        c.unregister("gem-direct")
+
+
+def test_a_file_truncated_while_its_header_is_read_is_an_error_not_sigbus(tmp_path):
+    from swarmkv_ffi.conductor import estimate as est_mod
+    from swarmkv_ffi.conductor.modelfile import OpenModel
+    from swarmkv_ffi.errors import ModelLoadError
+    copy = tmp_path / "model.gguf"
+    shutil.copy(catalog.resolve("smollm2-135m"), copy)
+    with OpenModel(copy) as (mf, fd):
+        os.truncate(copy, 4096)
+        with pytest.raises(ModelLoadError, match="changed while"):
+            est_mod.estimate(mf, fd, 512)
+
+
+def test_vram_table_second_agent_of_a_model_is_admitted(tmp_path):
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"smollm2-135m": 150_000_000}))
+    d = Daemon(tmp_path, "--vram-table", str(table))
+    try:
+        with d.client() as c:
+            c.register("t1", "smollm2-135m", n_ctx=256)
+            c.register("t2", "smollm2-135m", n_ctx=256)   # was ERR INTERNAL (zero reservation)
+            assert c.status()["fields"]["agents"] == "2"
+    finally:
+        d.stop()
+
+
+def test_swap_budget_denies_with_numbers_and_keeps_the_live_agent(tmp_path):
+    d = Daemon(tmp_path, "--swap-budget-bytes", "1000")
+    try:
+        with d.client() as c:
+            c.register("s1", "smollm2-135m", n_ctx=256)
+            c.register("s2", "smollm2-135m", n_ctx=256)
+            first = c.decode("s1", 2, "Hello")
+            with pytest.raises(LmxError) as info:
+                c.decode("s2", 2, "Hi")          # s1's KV would need host RAM it may not have
+            assert info.value.code == "SWAP_BUDGET_DENY"
+            assert "ledger_max_bytes=1000" in str(info.value)
+            s1 = next(a for a in c.list() if a["agent_id"] == "s1")
+            assert s1["state"] == "active"
+            assert int(s1["tokens"]) >= int(first["fields"]["prompt_tokens"])
+            assert c.status()["fields"]["swap_allocated_bytes"] == "0"
+    finally:
+        d.stop()
+
+
+def test_idle_agents_expire(tmp_path):
+    d = Daemon(tmp_path, "--agent-ttl", "1")
+    try:
+        with d.client() as c:
+            c.register("brief", "smollm2-135m", n_ctx=256)
+            deadline = time.time() + 30
+            while c.status()["fields"]["agents"] != "0":
+                assert time.time() < deadline, "agent did not expire"
+                time.sleep(0.5)
+            assert c.status()["fields"]["ledger_allocated_bytes"] == "0"
+    finally:
+        d.stop()
+
+
+def test_other_users_see_and_touch_only_their_own_agents():
+    tmp = Path(tempfile.mkdtemp(prefix="lmxd-own-", dir="/tmp"))  # pytest's tmp is 0700
+    os.chmod(tmp, 0o755)
+    d = Daemon(tmp, "--allow-uid", "65534")
+    code = ("import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); f=s.makefile('rwb')\n"
+            "for line in sys.argv[2:]:\n"
+            "    s.sendall(line.encode()+b'\\n')\n"
+            "    while True:\n"
+            "        r=f.readline().decode().rstrip('\\n'); print(r)\n"
+            "        if r=='OK done' or r.startswith('ERR '): break\n")
+
+    def as_nobody(*lines):
+        return subprocess.run([SYSTEM_PYTHON, "-c", code, str(d.path), *lines], capture_output=True,
+                              text=True, timeout=120, preexec_fn=lambda: os.setuid(65534)).stdout
+    try:
+        with d.client() as c:
+            c.register("mine", "smollm2-135m", n_ctx=256)
+        out = as_nobody("LIST", "DECODE mine 2 hi", "RESET mine", "UNREGISTER mine",
+                        "REGISTER theirs smollm2-135m n_ctx=256", "LIST")
+        assert "OK invoke=LIST agents=0" in out
+        assert out.count("ERR FORBIDDEN agent mine belongs to another user") == 3
+        assert "agent_id=theirs" in out and "agent_id=mine" not in out
+        with d.client() as c:
+            assert {a["agent_id"] for a in c.list()} == {"mine", "theirs"}
+    finally:
+        d.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- failure atomicity: a libllama failure in the middle of a DECODE (in process) ----------
+def test_a_failed_decode_rolls_back_and_other_agents_keep_working(monkeypatch):
+    from swarmkv_ffi.conductor.agents import Conductor
+    from swarmkv_ffi.conductor.ledger import Ledger
+    from swarmkv_ffi.context import Context
+    from swarmkv_ffi.errors import DecodeFailedError
+
+    c = Conductor(Ledger(lambda: 1 << 40), n_threads=1)
+    try:
+        c.register("a", "smollm2-135m", n_ctx=512)
+        c.register("b", "smollm2-135m", n_ctx=512)
+        c.decode("a", 4, "Hello")
+        history = list(c.get("a").history)
+        real, calls = Context.decode, {"n": 0}
+
+        def failing(self, batch):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise DecodeFailedError("injected llama_decode failure", -3)
+            return real(self, batch)
+        monkeypatch.setattr(Context, "decode", failing)
+        with pytest.raises(DecodeFailedError):
+            c.decode("a", 8, "Tell me more")
+        monkeypatch.setattr(Context, "decode", real)
+        agent, ctx = c.live
+        assert agent.id == "a" and agent.history == history
+        assert ctx.seq_pos_max(0) == len(history) - 1      # no cells past the history
+        assert c.decode("b", 3, "Hi there").generated_tokens >= 1   # another agent works
+        assert c.decode("a", 3, "Tell me more").generated_tokens >= 1
+    finally:
+        c.close()
+
+
+def test_lmxd_contexts_keep_full_sliding_window_caches():
+    from swarmkv_ffi.conductor.agents import Conductor
+    from swarmkv_ffi.conductor.ledger import Ledger
+    c = Conductor(Ledger(lambda: 1 << 40), n_threads=1)
+    try:
+        agent = c.register("g", "gemma3-270m", n_ctx=256)
+        ctx = c._new_context(agent.loaded, 256)
+        assert ctx.params.swa_full is True
+        ctx.close()
+    finally:
+        c.close()
