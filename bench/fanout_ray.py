@@ -37,9 +37,9 @@ def main(argv=None) -> int:
     specs = [BranchSpec(QUESTIONS[i % len(QUESTIONS)], max_tokens=args.gen_tokens) for i in range(args.branches)]
     with Model(path) as model:
         document = document_of(model, args.doc_tokens)
-        local = run_fanout(model, document, specs, mode="copy", n_threads=args.actors)
+        local = run_fanout(model, document, specs, mode="copy", n_threads=args.actors, cache=False)
         saved = []
-        run_fanout(model, document, specs[:1], mode="copy", snapshot_out=saved.append)
+        run_fanout(model, document, specs[:1], mode="copy", snapshot_out=saved.append, cache=False)
     ray.init(num_cpus=args.actors + 1, include_dashboard=False, log_to_driver=False)
     blob = np.frombuffer(saved[0].to_bytes(), dtype=np.uint8)
     t = time.perf_counter_ns()

@@ -133,7 +133,8 @@ def cmd_fanout(args) -> int:
         result = run_fanout(model, document, specs, mode=args.mode, n_ctx=args.n_ctx,
                             n_batch=args.n_batch, chat=not args.no_chat, kv_type=args.kv_type,
                             snapshot_in=snapshot_in, progress=bar.update if bar else None,
-                            snapshot_out=saved.append if args.snapshot_out else None)
+                            snapshot_out=saved.append if args.snapshot_out else None,
+                            cache=_prefix_cache(args))
     finally:
         if bar:
             bar.close()
@@ -150,6 +151,14 @@ def cmd_fanout(args) -> int:
         _print_fanout(result, args)
     model.close()
     return 0
+
+
+def _prefix_cache(args):
+    """The prefix cache the flags ask for (None with --no-cache)."""
+    from .prefix_cache import PrefixCache
+    if args.no_cache:
+        return None
+    return PrefixCache(args.cache_dir, args.cache_max_bytes)
 
 
 def _fanout_ray(args, document, specs) -> int:
@@ -197,17 +206,56 @@ def _progress_bar(args):
 
 
 def _print_fanout(result, args) -> None:
-    skipped = " (skipped: snapshot reused)" if result.prefill_skipped else ""
-    print(f"document: {args.doc}: {result.n_prefix} tokens, prefilled once in "
-          f"{result.prefill_ms:.0f} ms{skipped}; mode={result.mode}, n_ctx={result.n_ctx}, "
-          f"snapshot {result.snapshot_bytes / 2**20:.1f} MiB")
+    if result.prefill_skipped:
+        how = f"prefill skipped: all {result.n_prefix} tokens restored from a snapshot"
+    elif result.cached_tokens:
+        how = (f"{result.cached_tokens} tokens restored from the prefix cache, the other "
+               f"{result.n_prefix - result.cached_tokens} prefilled in {result.prefill_ms:.0f} ms")
+    else:
+        how = f"prefilled once in {result.prefill_ms:.0f} ms"
+    print(f"document: {args.doc}: {result.n_prefix} tokens, {how}; mode={result.mode}, "
+          f"n_ctx={result.n_ctx}, snapshot {result.snapshot_bytes / 2**20:.1f} MiB")
     for b in result.branches:
         print(f"\n[{b.index}] Q: {b.question}")
         print(f"    A: {b.text.strip()}")
         print(f"    fork {b.fork_ms:.2f} ms, first token {b.activation_ms:.0f} ms, decode "
               f"{b.decode_ms:.0f} ms, {len(b.token_ids)} tokens, {b.tokens_per_s:.1f} tokens/s"
               + (", stopped at end-of-generation" if b.stopped_on_eog else ""))
-    print(f"\nend-to-end {result.total_ms:.0f} ms for {len(result.branches)} branches")
+    print(f"\nend-to-end {result.total_ms:.0f} ms for {len(result.branches)} branches"
+          + (f" (+{result.cache_store_ms:.0f} ms writing the prefix cache)" if result.cache_store_ms >= 1 else ""))
+
+
+# ---- cache -----------------------------------------------------------------------------------
+def cmd_cache(args) -> int:
+    import datetime
+
+    from .prefix_cache import PrefixCache
+    cache = PrefixCache(args.cache_dir)
+    if args.action == "clear":
+        print(f"removed {cache.clear()} entries from {cache.root}")
+        return 0
+    if args.action == "rm":
+        missing = [k for k in args.keys if not cache.remove(k)]
+        for k in missing:
+            print(f"swarmkv: no cache entry {k}", file=sys.stderr)
+        return 1 if missing else 0
+    entries = cache.entries()
+    total = sum(e.nbytes for e in entries)
+    if args.json:
+        print(json.dumps({"dir": str(cache.root), "max_bytes": cache.max_bytes, "bytes": total,
+                          "entries": [e.__dict__ for e in entries] if args.action == "ls" else len(entries)},
+                         indent=2))
+        return 0
+    if args.action == "stats":
+        print(f"{cache.root}: {len(entries)} entries, {total / 2**20:.1f} MiB of "
+              f"{cache.max_bytes / 2**20:.0f} MiB")
+        return 0
+    for e in entries:
+        when = datetime.datetime.fromtimestamp(e.last_used).strftime("%Y-%m-%d %H:%M")
+        head = " ".join(e.head.split())[:50]
+        print(f"{e.key}  {e.model:<36} {e.n_tokens:>7} tok {e.nbytes / 2**20:>8.1f} MiB  {when}  {head!r}")
+    print(f"{len(entries)} entries, {total / 2**20:.1f} MiB in {cache.root}", file=sys.stderr)
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -225,6 +273,11 @@ def _add_model_args(p, *, max_tokens=64):
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.add_argument("--n-ctx", type=int, default=None, help="context size (default: just enough)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+
+
+def _add_cache_dir(p) -> None:
+    p.add_argument("--cache-dir", default=None,
+                   help="prefix cache folder (default: $SWARMKV_PREFIX_CACHE or ~/.cache/swarmkv-ffi/prefix)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -263,6 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plain 'document / Question: / Answer:' prompts instead of the chat template")
     p.add_argument("--snapshot-out", metavar="FILE", help="save the document's KV snapshot")
     p.add_argument("--snapshot-in", metavar="FILE", help="reuse a saved snapshot; skips the prefill")
+    p.add_argument("--no-cache", action="store_true",
+                   help="neither read nor write the prefix cache (always prefill)")
+    _add_cache_dir(p)
+    p.add_argument("--cache-max-bytes", type=int, default=None,
+                   help="evict least-recently-used cache entries above this size "
+                        "(default: $SWARMKV_PREFIX_CACHE_MAX_BYTES or 4 GiB)")
     p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                    help="run on Ray: a cluster address (ray start --head prints it), or none to "
                         "start a local one; needs the 'distributed' extra")
@@ -270,6 +329,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.epilog = "--seed S gives branch i the seed S+i."
     p.set_defaults(func=cmd_fanout)
+
+    p = sub.add_parser("cache", help="the prefix cache: ls, rm KEY..., clear, stats",
+                       description="Documents' KV snapshots kept between runs, so a document is "
+                                   "prefilled once. `swarmkv fanout` reads and fills it unless --no-cache.")
+    p.add_argument("action", choices=["ls", "rm", "clear", "stats"])
+    p.add_argument("keys", nargs="*", help="entry keys for rm (from ls)")
+    _add_cache_dir(p)
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(func=cmd_cache)
 
     p = sub.add_parser("bench", help="benchmarks: `swarmkv bench fanout|conductor --help`")
     p.add_argument("which", choices=["fanout", "conductor"], help="which benchmark")

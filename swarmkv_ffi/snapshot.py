@@ -48,13 +48,17 @@ def checksum(data: np.ndarray) -> str:
 
 def context_signature(ctx: Context) -> dict:
     """The context settings that decide the layout of a sequence's KV state."""
-    p = ctx.params
+    return params_signature(ctx.params, ctx.model)
+
+
+def params_signature(p, model) -> dict:
+    """context_signature for a context not created yet (ContextParams + its model)."""
     return {
         "type_k": p.type_k,
         "type_v": p.type_v,
         "flash_attn": p.flash_attn,
         "n_stream": 1 if (p.kv_unified or p.n_seq_max == 1) else p.n_seq_max,
-        "swa_full": p.swa_full if ctx.model.n_swa > 0 else None,  # only SWA models care
+        "swa_full": p.swa_full if model.n_swa > 0 else None,  # only SWA models care
     }
 
 

@@ -6,11 +6,18 @@ with the install command in the message.
 """
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 from swarmkv_ffi import Model, catalog
 
 MODEL_NAMES = ["smollm2-135m", "gemma3-270m"]
+
+# The prefix cache is on by default; tests (and the CLI processes they start) use a
+# private one, never the user's ~/.cache.
+os.environ["SWARMKV_PREFIX_CACHE"] = tempfile.mkdtemp(prefix="swarmkv-test-prefix-")
 
 
 def load(name: str) -> Model:

@@ -80,7 +80,8 @@ def test_fanout_json_and_snapshot_roundtrip(short_doc, tmp_path):
 
 
 def test_fanout_text_output(short_doc):
-    out = swarmkv("fanout", "--doc", str(short_doc), "--ask", "What is this?", "--max-tokens", "4").stdout
+    out = swarmkv("fanout", "--doc", str(short_doc), "--ask", "What is this?", "--max-tokens", "4",
+                  "--no-cache").stdout
     assert "prefilled once" in out and "[0] Q: What is this?" in out and "first token" in out
 
 

@@ -27,6 +27,7 @@ QUESTIONS = [
     "Which version of the license is this?",
 ]
 RUN = dict(n_batch=64)
+FANOUT = dict(RUN, cache=False)  # these tests are about the fan-out's own prefill
 
 
 def specs(questions, max_tokens=16, **kw):
@@ -58,7 +59,7 @@ def test_plain_prompt_layout_without_chat(smol):
 
 def test_copy_mode_is_bit_identical_to_a_plain_run(any_model, baselines):
     base = baselines[any_model.path.name]
-    out = run_fanout(any_model, DOC, specs(QUESTIONS[:4]), mode="copy", keep_logits=True, **RUN)
+    out = run_fanout(any_model, DOC, specs(QUESTIONS[:4]), mode="copy", keep_logits=True, **FANOUT)
     for got, want in zip(out.branches, base.branches):
         assert np.array_equal(got.first_logits, want.first_logits), f"branch {got.index} logits"
         assert got.token_ids == want.token_ids
@@ -69,7 +70,7 @@ def test_copy_mode_is_bit_identical_to_a_plain_run(any_model, baselines):
 
 def test_shared_mode_matches_plain_runs(any_model, baselines, record_property):
     base = baselines[any_model.path.name]
-    out = run_fanout(any_model, DOC, specs(QUESTIONS), mode="shared", keep_logits=True, **RUN)
+    out = run_fanout(any_model, DOC, specs(QUESTIONS), mode="shared", keep_logits=True, **FANOUT)
     diffs = [float(np.max(np.abs(g.first_logits - w.first_logits)))
              for g, w in zip(out.branches, base.branches)]
     same = sum(g.token_ids == w.token_ids for g, w in zip(out.branches, base.branches))
@@ -84,7 +85,7 @@ def test_shared_mode_matches_plain_runs(any_model, baselines, record_property):
 
 
 def test_branches_generate_real_answers(smol):
-    out = run_fanout(smol, DOC, specs(QUESTIONS[:2], max_tokens=24), **RUN)
+    out = run_fanout(smol, DOC, specs(QUESTIONS[:2], max_tokens=24), **FANOUT)
     for b in out.branches:
         assert b.text.strip() and b.token_ids
         assert b.activation_ms > 0 and b.ready_ms > 0
@@ -95,7 +96,7 @@ def test_watermark_branch_starts_early_and_matches_plain_run(smol, mode):
     half = 100
     sp = [BranchSpec("What is this document?", max_tokens=8, watermark=half),
           BranchSpec("Who is the Licensor?", max_tokens=8)]
-    out = run_fanout(smol, DOC, sp, mode=mode, **RUN)
+    out = run_fanout(smol, DOC, sp, mode=mode, **FANOUT)
     base = run_baseline(smol, DOC, sp, **RUN)
     early, late = out.branches
     assert early.n_prefix_used == half and late.n_prefix_used == out.n_prefix
@@ -109,8 +110,8 @@ def test_watermark_branch_starts_early_and_matches_plain_run(smol, mode):
 def test_sampling_settings_are_per_branch(smol):
     sp = [BranchSpec("What is this document?", max_tokens=12, temp=0.9, seed=7),
           BranchSpec("What is this document?", max_tokens=12)]
-    a = run_fanout(smol, DOC, sp, **RUN)
-    b = run_fanout(smol, DOC, sp, **RUN)
+    a = run_fanout(smol, DOC, sp, **FANOUT)
+    b = run_fanout(smol, DOC, sp, **FANOUT)
     assert a.branches[0].token_ids == b.branches[0].token_ids  # same seed, same draw
     assert a.branches[1].token_ids == b.branches[1].token_ids  # greedy
 

@@ -189,5 +189,5 @@ def test_failing_node_fails_the_run_with_the_original_error(smol, monkeypatch):
     monkeypatch.setattr(Snapshot, "capture", explode)
     with pytest.raises(RuntimeError) as info:
         run_fanout(smol, TEXT, [BranchSpec("a?", max_tokens=2), BranchSpec("b?", max_tokens=2)],
-                   mode="copy", timeout=120)
+                   mode="copy", timeout=120, cache=False)
     assert info.value is boom

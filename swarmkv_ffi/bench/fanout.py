@@ -59,7 +59,7 @@ def run_mode(model: Model, document: str, mode: str, n: int, gen: int, cfg: Conf
         if mode == "baseline":
             res = run_baseline(model, document, specs, **common)
         else:
-            res = run_fanout(model, document, specs, mode=mode, **common, **kw)
+            res = run_fanout(model, document, specs, mode=mode, cache=False, **common, **kw)
     out = res.to_dict()
     for b in out["branches"]:
         b["n_tokens"] = len(b.pop("token_ids"))

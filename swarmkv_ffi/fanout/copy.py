@@ -14,14 +14,16 @@ from ..snapshot import Snapshot
 from .plan import BranchResult, Plan, prefill, record_generation
 
 
-def add_copy_nodes(dag: Dag, plan: Plan, snapshot_in, snapshot_out, progress, keep_logits):
-    """prefill → one snapshot per distinct watermark (a gate) → branch-i nodes."""
+def add_copy_nodes(dag: Dag, plan: Plan, snapshot_in, snapshot_out, progress, keep_logits, on_capture=None):
+    """prefill → one snapshot per distinct watermark (a gate) → branch-i nodes.
+    snapshot_in may hold the whole document or a start of it; on_capture(snapshot)
+    receives the document's state at each of plan.capture_at."""
     # One gate per distinct watermark, plus the whole document (for snapshot_out).
     gates = {w: Future() for w in sorted(set(plan.watermarks) | {plan.layout.n_prefix})}
 
     def prefill(_):
         try:
-            return _copy_prefill(plan, gates, snapshot_in, snapshot_out, progress)
+            return _copy_prefill(plan, gates, snapshot_in, snapshot_out, progress, on_capture)
         except BaseException as exc:
             for g in gates.values():
                 if not g.done():
@@ -34,23 +36,31 @@ def add_copy_nodes(dag: Dag, plan: Plan, snapshot_in, snapshot_out, progress, ke
                 gates=[gates[w]])
 
 
-def _copy_prefill(plan: Plan, gates: dict[int, Future], snapshot_in, snapshot_out, progress):
+def _copy_prefill(plan: Plan, gates: dict[int, Future], snapshot_in, snapshot_out, progress, on_capture):
     prefix, n = plan.layout.prefix, plan.layout.n_prefix
     t_start = plan.ms()
-    if snapshot_in is not None:
-        for gate in gates.values():
+    start = snapshot_in.header.n_tokens if snapshot_in is not None else 0
+    for w, gate in gates.items():   # what the snapshot already covers is ready now
+        if w <= start:
             gate.set_result((snapshot_in, plan.ms()))
+    if start == n:
         return 0.0, snapshot_in.nbytes
     snaps = {}
     with plan.context(plan.n_ctx) as ctx:
+        if snapshot_in is not None:
+            snapshot_in.restore(ctx, 0)
+
         def on_chunk(done: int) -> None:
             if progress:
                 progress(done, n)
-            if done in gates:  # a watermark (or the end): branches waiting on it may start
+            if done in gates or done in plan.capture_at:
                 snaps[done] = Snapshot.capture(ctx, 0, prefix[:done])
+            if done in gates:  # a watermark (or the end): branches waiting on it may start
                 gates[done].set_result((snaps[done], plan.ms()))
+            if on_capture is not None and done in plan.capture_at:
+                on_capture(snaps[done])
 
-        prefill(plan, ctx, on_chunk=on_chunk)
+        prefill(plan, ctx, on_chunk=on_chunk, start=start)
         prefill_ms = plan.ms() - t_start
     if snapshot_out is not None:
         snapshot_out(snaps[n])

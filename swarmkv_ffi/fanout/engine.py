@@ -6,6 +6,7 @@ from typing import Callable
 from ..budget import DEFAULT_HEADROOM
 from ..dag import Dag
 from ..model import Model
+from ..prefix_cache import PrefixCache
 from ..snapshot import Snapshot
 from .copy import add_copy_nodes
 from .plan import MODES, BranchSpec, FanoutResult, check_snapshot_document, plan_fanout
@@ -19,9 +20,13 @@ def run_fanout(model: Model, document: str, specs: list[BranchSpec], *, mode: st
                snapshot_in: Snapshot | None = None, snapshot_out: Callable[[Snapshot], None] | None = None,
                progress: Callable[[int, int], None] | None = None, keep_logits: bool = False,
                branch_workers: int = 1, serialize: bool = False,
-               timeout: float | None = 3600.0) -> FanoutResult:
+               timeout: float | None = 3600.0, cache: PrefixCache | bool | None = True) -> FanoutResult:
     """Answer every branch over one prefill of `document`.
 
+    cache: the prefix cache (True: the default folder, see prefix_cache.py; False or None:
+    none). The longest cached start of the document is restored and only the rest is
+    prefilled; afterwards the document's state is stored at the whole prefix and at
+    cache boundaries, so the next run over it (or over an extension of it) skips that work.
     snapshot_in: reuse a snapshot of this document (its tokens must match) and skip the
     prefill. snapshot_out: called with the document's snapshot once the prefill is done.
     progress(done, total): prefill progress in tokens. branch_workers: copy-mode branches
@@ -32,18 +37,46 @@ def run_fanout(model: Model, document: str, specs: list[BranchSpec], *, mode: st
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     plan = plan_fanout(model, document, specs, n_ctx=n_ctx, n_batch=n_batch, headroom=headroom,
                        chat=chat, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn)
+    cache = PrefixCache() if cache is True else (cache or None)
     if snapshot_in is not None:
         check_snapshot_document(snapshot_in, plan.layout)
+    captured: list[Snapshot] = []
+    if cache is not None:
+        snapshot_in = snapshot_in or _cached_start(cache, plan)
+        have = snapshot_in.header.n_tokens if snapshot_in is not None else 0
+        plan.capture_at = frozenset(k for k in cache.store_points(plan.layout.n_prefix, _step(cache, plan)) if k > have)
+    restored = snapshot_in.header.n_tokens if snapshot_in is not None else 0
+    if snapshot_out is not None and restored == plan.layout.n_prefix and cache is not None:
+        snapshot_out(snapshot_in)  # a cache hit: the document's snapshot without a prefill
+        snapshot_out = None
     dag = Dag()
     if mode == "shared":
-        dag.add("shared", lambda _: run_shared(plan, snapshot_in, snapshot_out, progress, keep_logits, serialize))
+        dag.add("shared", lambda _: run_shared(plan, snapshot_in, snapshot_out, progress, keep_logits,
+                                               serialize, on_capture=captured.append))
         results = dag.run(max_workers=1, timeout=timeout)["shared"]
         branches, prefill_ms, snapshot_bytes = results
     else:
-        add_copy_nodes(dag, plan, snapshot_in, snapshot_out, progress, keep_logits)
+        add_copy_nodes(dag, plan, snapshot_in, snapshot_out, progress, keep_logits, on_capture=captured.append)
         out = dag.run(max_workers=branch_workers + 1, timeout=timeout)
         branches = [out[f"branch-{i}"] for i in range(len(specs))]
         prefill_ms, snapshot_bytes = out["prefill"]
+    total_ms = plan.ms()
+    for snap in captured:
+        cache.store(snap, plan.cache_signature(), head=document)
     return FanoutResult(mode=mode, model=model.path.name, n_prefix=plan.layout.n_prefix,
-                        n_ctx=plan.n_ctx, prefill_ms=prefill_ms, prefill_skipped=snapshot_in is not None,
-                        snapshot_bytes=snapshot_bytes, total_ms=plan.ms(), branches=branches)
+                        n_ctx=plan.n_ctx, prefill_ms=prefill_ms, prefill_skipped=restored == plan.layout.n_prefix,
+                        snapshot_bytes=snapshot_bytes, total_ms=total_ms, branches=branches,
+                        cached_tokens=restored, cache_store_ms=plan.ms() - total_ms)
+
+
+def _step(cache: PrefixCache, plan) -> int:
+    """Cache boundaries: about every cache.boundary tokens, always at a chunk boundary."""
+    return plan.n_batch * max(1, round(cache.boundary / plan.n_batch))
+
+
+def _cached_start(cache: PrefixCache, plan) -> Snapshot | None:
+    """The longest cached start of this document's prefix (checked), or None."""
+    snap = cache.lookup(plan.model.fingerprint, plan.cache_signature(), plan.layout.prefix, _step(cache, plan))
+    if snap is not None:
+        check_snapshot_document(snap, plan.layout, partial=True)
+    return snap

@@ -15,7 +15,7 @@ from ..generate import Generation
 from ..model import Model
 from ..prompts import PromptLayout, layout
 from ..sampler import Sampler
-from ..snapshot import Snapshot, tokens_hash
+from ..snapshot import Snapshot, params_signature, tokens_hash
 
 MODES = ("shared", "copy")
 
@@ -66,6 +66,8 @@ class FanoutResult:
     snapshot_bytes: int
     total_ms: float
     branches: list[BranchResult]
+    cached_tokens: int = 0          # document tokens restored (prefix cache or snapshot_in)
+    cache_store_ms: float = 0.0     # writing this run's snapshots to the cache, after total_ms
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -87,18 +89,27 @@ class Plan:
     t0: int
     kv_type: str = "q8_0"
     flash_attn: str = "on"
+    capture_at: frozenset = frozenset()   # prefix lengths to snapshot for the prefix cache
 
     def ms(self) -> float:
         return (time.perf_counter_ns() - self.t0) / 1e6
 
     def context(self, n_ctx: int, n_seq_max: int = 1, n_batch: int | None = None) -> Context:
+        return Context(self.model, self.params(n_ctx, n_seq_max, n_batch))
+
+    def cache_signature(self) -> dict:
+        """What decides a cached prefix's KV bytes besides model, commit and tokens: the
+        KV layout, and the prefill chunk size (chunks round differently)."""
+        return {**params_signature(self.params(self.n_ctx), self.model), "n_batch": self.n_batch}
+
+    def params(self, n_ctx: int, n_seq_max: int = 1, n_batch: int | None = None) -> ContextParams:
         params = ContextParams(n_ctx=n_ctx, n_batch=n_batch or self.n_batch,
                                n_ubatch=min(self.n_batch, 512), n_seq_max=n_seq_max,
                                kv_unified=True, swa_full=self.swa_full,
                                type_k=self.kv_type, type_v=self.kv_type, flash_attn=self.flash_attn)
         if self.n_threads:
             params.n_threads = self.n_threads
-        return Context(self.model, params)
+        return params
 
     def result(self, i: int) -> BranchResult:
         w = self.watermarks[i]
@@ -136,8 +147,10 @@ def plan_fanout(model: Model, document: str, specs: list[BranchSpec], *, n_ctx: 
                 swa_full=model.n_swa > 0, t0=t0, kv_type=kv_type, flash_attn=flash_attn)
 
 
-def check_snapshot_document(snap: Snapshot, lay: PromptLayout) -> None:
-    if snap.header.n_tokens != lay.n_prefix or snap.header.tokens_hash != tokens_hash(lay.prefix):
+def check_snapshot_document(snap: Snapshot, lay: PromptLayout, partial: bool = False) -> None:
+    """The snapshot must hold this document's prefix (or, if partial, a start of it)."""
+    k = snap.header.n_tokens if partial else lay.n_prefix
+    if snap.header.n_tokens != k or k > lay.n_prefix or snap.header.tokens_hash != tokens_hash(lay.prefix[:k]):
         raise SnapshotMismatchError(
             f"snapshot holds {snap.header.n_tokens} tokens (hash {snap.header.tokens_hash}) but "
             f"this document's prefix is {lay.n_prefix} tokens (hash {tokens_hash(lay.prefix)}): "
@@ -149,19 +162,19 @@ def round_up(n: int, k: int) -> int:
 
 
 def prefill_stops(plan: Plan) -> list[int]:
-    """Chunk boundaries: every n_batch tokens and at every watermark."""
+    """Chunk boundaries: every n_batch tokens, at every watermark and cache point."""
     n = plan.layout.n_prefix
-    stops = set(range(plan.n_batch, n, plan.n_batch)) | set(plan.watermarks) | {n}
+    stops = set(range(plan.n_batch, n, plan.n_batch)) | set(plan.watermarks) | set(plan.capture_at) | {n}
     return sorted(stops)
 
 
-def prefill(plan: Plan, ctx: Context, upto: int | None = None, on_chunk=None) -> None:
-    """Decode the document's first `upto` tokens (all by default) into sequence 0, in the
-    plan's chunks, logits off; on_chunk(done) runs after each chunk."""
+def prefill(plan: Plan, ctx: Context, upto: int | None = None, on_chunk=None, start: int = 0) -> None:
+    """Decode the document's tokens start..upto (all by default; sequence 0 already holds
+    the first `start`), in the plan's chunks, logits off; on_chunk(done) runs after each."""
     prefix = plan.layout.prefix
     upto = plan.layout.n_prefix if upto is None else upto
-    done, batch = 0, Batch(plan.n_batch)
-    for stop in (s for s in prefill_stops(plan) if s <= upto):
+    done, batch = start, Batch(plan.n_batch)
+    for stop in (s for s in prefill_stops(plan) if start < s <= upto):
         batch.clear().add_sequence(prefix[done:stop], done, 0, logits_last=False)
         ctx.decode(batch)
         done = stop

@@ -50,7 +50,10 @@ class _Live:
         self.sampler.close()
 
 
-def run_shared(plan: Plan, snapshot_in, snapshot_out, progress, keep_logits, serialize=False):
+def run_shared(plan: Plan, snapshot_in, snapshot_out, progress, keep_logits, serialize=False,
+               on_capture=None):
+    """snapshot_in may hold the whole document or a start of it (the rest is prefilled);
+    on_capture(snapshot) receives seq 0's state at each of plan.capture_at."""
     lay = plan.layout
     n, n_branches = lay.n_prefix, len(plan.specs)
     if n_branches + 1 > library.lib().llama_max_parallel_sequences():
@@ -66,7 +69,7 @@ def run_shared(plan: Plan, snapshot_in, snapshot_out, progress, keep_logits, ser
         done = 0
         if snapshot_in is not None:
             snapshot_in.restore(ctx, 0)
-            done, snapshot_bytes = n, snapshot_in.nbytes
+            done, snapshot_bytes = snapshot_in.header.n_tokens, snapshot_in.nbytes
         stops = iter(s for s in prefill_stops(plan) if s > done)
         batch = Batch(step_capacity)
         t_prefill = plan.ms()
@@ -99,6 +102,8 @@ def run_shared(plan: Plan, snapshot_in, snapshot_out, progress, keep_logits, ser
                     ready_at[done] = plan.ms()
                     if progress:
                         progress(done, n)
+                    if on_capture is not None and done in plan.capture_at:
+                        on_capture(Snapshot.capture(ctx, 0, lay.prefix[:done]))
                     if done == n:
                         prefill_ms = ready_at[done] - t_prefill
                         snapshot_bytes = ctx.seq_state_size(0)

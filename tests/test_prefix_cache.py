@@ -1,0 +1,152 @@
+"""The prefix cache: a second run over a document restores instead of prefilling, an
+extended document restores the longest shared start, answers equal a cold run's bit for
+bit, bad entries are dropped and recomputed, LRU eviction holds the size limit, and
+several processes can share one folder."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from swarmkv_ffi import prefix_cache
+from swarmkv_ffi.fanout import BranchSpec, run_fanout
+from swarmkv_ffi.prefix_cache import PrefixCache
+from swarmkv_ffi.snapshot import Snapshot, SnapshotHeader, checksum, tokens_hash
+
+DOC = open(os.path.join(os.path.dirname(__file__), "..", "examples", "apache-2.0.txt")).read()[:2400]
+QUESTIONS = [BranchSpec("Can I sell copies?", max_tokens=8), BranchSpec("What is a Contribution?", max_tokens=8)]
+
+
+def answers(result):
+    return [b.token_ids for b in result.branches]
+
+
+@pytest.mark.parametrize("mode", ["shared", "copy"])
+def test_second_run_restores_and_answers_the_same(smol, tmp_path, mode):
+    cache = PrefixCache(tmp_path / "c", boundary=128)
+    cold = run_fanout(smol, DOC, QUESTIONS, mode=mode, n_batch=128, cache=cache)
+    assert cold.cached_tokens == 0 and cold.prefill_ms > 0
+    keys = {e.n_tokens for e in cache.entries()}
+    assert cold.n_prefix in keys and 256 in keys           # whole prefix and a boundary
+    warm = run_fanout(smol, DOC, QUESTIONS, mode=mode, n_batch=128, cache=cache)
+    assert warm.prefill_skipped and warm.cached_tokens == warm.n_prefix and warm.prefill_ms == 0
+    nocache = run_fanout(smol, DOC, QUESTIONS, mode=mode, n_batch=128, cache=False)
+    assert answers(warm) == answers(cold) == answers(nocache)
+
+
+def test_extended_document_restores_the_longest_shared_start(smol, tmp_path):
+    cache = PrefixCache(tmp_path / "c", boundary=128)
+    short = run_fanout(smol, DOC[:2000], QUESTIONS, n_batch=128, cache=cache)
+    longer = run_fanout(smol, DOC[:2000] + DOC[2000:2400], QUESTIONS, n_batch=128, cache=cache)
+    assert 0 < longer.cached_tokens < longer.n_prefix
+    assert longer.cached_tokens % 128 == 0 and longer.cached_tokens <= short.n_prefix
+    cold = run_fanout(smol, DOC[:2000] + DOC[2000:2400], QUESTIONS, n_batch=128, cache=False)
+    assert answers(longer) == answers(cold)
+
+
+def test_settings_that_change_the_kv_bytes_miss(smol, tmp_path):
+    cache = PrefixCache(tmp_path / "c", boundary=128)
+    run_fanout(smol, DOC[:1200], QUESTIONS[:1], n_batch=128, cache=cache)
+    other_kv = run_fanout(smol, DOC[:1200], QUESTIONS[:1], n_batch=128, kv_type="f16", cache=cache)
+    other_chunks = run_fanout(smol, DOC[:1200], QUESTIONS[:1], n_batch=64, cache=cache)
+    assert other_kv.cached_tokens == 0 and other_chunks.cached_tokens == 0
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
+def test_a_corrupt_entry_is_dropped_and_recomputed(smol, tmp_path, damage, caplog):
+    cache = PrefixCache(tmp_path / "c", boundary=128)
+    cold = run_fanout(smol, DOC[:1200], QUESTIONS[:1], n_batch=128, cache=cache)
+    for path in (tmp_path / "c").glob("*.snap"):
+        raw = path.read_bytes()
+        if damage == "truncate":
+            path.write_bytes(raw[: len(raw) // 2])
+        elif damage == "flip":
+            path.write_bytes(raw[:-100] + bytes([raw[-100] ^ 0xFF]) + raw[-99:])
+        else:
+            path.write_bytes(b"not a snapshot at all")
+    again = run_fanout(smol, DOC[:1200], QUESTIONS[:1], n_batch=128, cache=cache)
+    assert again.cached_tokens == 0 and answers(again) == answers(cold)
+    assert "dropping bad entry" in caplog.text
+    third = run_fanout(smol, DOC[:1200], QUESTIONS[:1], n_batch=128, cache=cache)
+    assert third.prefill_skipped                               # recomputed and stored again
+
+
+def fake_snapshot(n: int, nbytes: int, seed: int) -> Snapshot:
+    tokens = list(range(seed, seed + n))
+    data = np.full(nbytes, seed % 251, dtype=np.uint8)
+    header = SnapshotHeader(model_fingerprint="f" * 32, model_name="fake.gguf", llama_cpp_commit="x",
+                            context={}, n_tokens=n, tokens_hash=tokens_hash(tokens), tokens=tokens,
+                            payload_nbytes=nbytes, checksum=checksum(data))
+    return Snapshot(header, data)
+
+
+def test_lru_eviction_holds_the_size_limit(tmp_path):
+    cache = PrefixCache(tmp_path, max_bytes=10_000)
+    keys = [cache.store(fake_snapshot(4, 2000, i), {}) for i in range(3)]
+    assert cache.lookup("f" * 32, {}, list(range(1, 5))) is not None   # entry 1 is used now
+    for i in (3, 4):                                            # ~2.3 kB each: the 5th is one too many
+        cache.store(fake_snapshot(4, 2000, i), {})
+        assert cache.total_bytes() <= 10_000
+    left = {e.key for e in cache.entries()}
+    assert keys[0] not in left and {keys[1], keys[2]} <= left
+    cache.store(fake_snapshot(4, 2000, 5), {})
+    left = {e.key for e in cache.entries()}
+    assert keys[2] not in left and keys[1] in left              # 1 was used after 2 was stored
+
+
+def _writer(root: str, worker: int, n: int, out) -> None:
+    cache = PrefixCache(root, max_bytes=200_000)
+    bad = 0
+    for i in range(n):
+        seed = (worker * 7 + i) % 60
+        cache.store(fake_snapshot(8, 3000 + seed, seed), {})
+        got = cache.lookup("f" * 32, {}, list(range((i * 3) % 60, (i * 3) % 60 + 8)))
+        if got is not None and (got.tokens.tolist() != list(range(got.tokens[0], got.tokens[0] + 8))
+                                or got.data.nbytes != 3000 + int(got.tokens[0])):
+            bad += 1
+    out.put(bad)
+
+
+def test_four_processes_share_one_folder_without_corrupt_reads(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), w, 250, out)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert all(p.exitcode == 0 for p in procs)
+    assert sum(out.get(timeout=10) for _ in procs) == 0
+    cache = PrefixCache(tmp_path, max_bytes=200_000)
+    assert cache.total_bytes() <= 200_000 + 4 * 4000         # each writer may overshoot by one entry in flight
+    assert not list(tmp_path.glob(".*.snap.*"))               # no temporary files left
+
+
+def test_cli_cache_commands(smol, tmp_path):
+    env = {**os.environ, "SWARMKV_PREFIX_CACHE": str(tmp_path / "c")}
+    doc = tmp_path / "doc.txt"
+    doc.write_text(DOC[:1200])
+
+    def swarmkv(*args):
+        return subprocess.run([sys.executable, "-m", "swarmkv_ffi.cli", *args], capture_output=True,
+                              text=True, env=env, timeout=600)
+    first = swarmkv("fanout", "--doc", str(doc), "--ask", "Who?", "--max-tokens", "4", "--json")
+    assert first.returncode == 0, first.stderr
+    second = swarmkv("fanout", "--doc", str(doc), "--ask", "Who?", "--max-tokens", "4")
+    assert "prefill skipped" in second.stdout
+    listing = json.loads(swarmkv("cache", "ls", "--json").stdout)
+    assert listing["entries"] and "Apache" in listing["entries"][0]["head"]
+    key = listing["entries"][0]["key"]
+    assert swarmkv("cache", "rm", key).returncode == 0
+    assert swarmkv("cache", "rm", key).returncode == 1
+    assert "entries" in swarmkv("cache", "stats").stdout
+    assert swarmkv("cache", "clear").returncode == 0
+    assert json.loads(swarmkv("cache", "stats", "--json").stdout)["entries"] == 0
+    nocache = swarmkv("fanout", "--doc", str(doc), "--ask", "Who?", "--max-tokens", "4", "--no-cache")
+    assert "prefilled once" in nocache.stdout
+    assert json.loads(swarmkv("cache", "stats", "--json").stdout)["entries"] == 0
