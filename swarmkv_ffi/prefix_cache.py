@@ -5,13 +5,13 @@ settings that decide the KV layout, the hash of the prefix tokens). Value = the 
 file (snapshot.py's format, header and crc32 included) plus a small JSON sidecar for
 `swarmkv cache ls` (document head, tokens, model, bytes, last use).
 
-Longest cached prefix: a document's state is stored at its whole prefix, at the last
-boundary before its end (boundaries are multiples of `boundary` tokens) and at
-`boundary` x 1, 2, 4, 8 ... (so storage grows with the log of the length). A document that
-extends a cached one (a growing log) restores the last boundary both share; one that
-shares only a preamble restores the largest power-of-two boundary inside it; either way
-only the rest is prefilled. Lookups try the whole prefix, then every boundary from the
-longest down.
+Longest cached prefix: a document's state is stored at its whole prefix, TAIL tokens
+before its end, at the last boundary before its end (boundaries are multiples of
+`boundary` tokens) and at `boundary` x 1, 2, 4, 8 ... (so storage grows with the log of
+the length). A document that extends a cached one (a growing log) restores all of the old
+one but its last TAIL tokens; one that shares only a preamble restores the largest
+power-of-two boundary inside it; either way only the rest is prefilled. Lookups try the
+whole prefix, then every length stored for any document and every boundary, longest first.
 
 Safe with several processes: files are written to a temporary name and renamed; writes
 and eviction hold an exclusive flock on the folder's lock file, reads a shared one; a
@@ -43,6 +43,7 @@ ENV_DIR = "SWARMKV_PREFIX_CACHE"
 ENV_MAX = "SWARMKV_PREFIX_CACHE_MAX_BYTES"
 DEFAULT_MAX_BYTES = 4 << 30
 DEFAULT_BOUNDARY = 512
+TAIL = 16   # also store a document just short of its end: a tokenizer merge with appended text stays behind it
 
 
 def default_dir() -> Path:
@@ -93,10 +94,12 @@ class PrefixCache:
         return sorted({n_tokens} | set(range(step, n_tokens, step)), reverse=True)
 
     def store_points(self, n_tokens: int, step: int | None = None) -> list[int]:
-        """Prefix lengths to store a document at: the whole prefix, the last boundary
-        before it, and step x 1, 2, 4, ... below it."""
+        """Prefix lengths to store a document at: the whole prefix, TAIL tokens short of
+        it, the last boundary before it, and step x 1, 2, 4, ... below it."""
         step = step or self.boundary
         points = {n_tokens}
+        if n_tokens > 2 * TAIL:
+            points.add(n_tokens - TAIL)
         if n_tokens > step:
             points.add((n_tokens - 1) // step * step)
         k = step
@@ -124,7 +127,8 @@ class PrefixCache:
     def lookup(self, model_fingerprint: str, signature: dict, tokens, step: int | None = None) -> Snapshot | None:
         """The snapshot of the longest cached prefix of `tokens`, or None."""
         tokens = np.asarray(tokens, dtype=np.int32)
-        for k in self.cut_points(len(tokens), step):
+        stored = {e.n_tokens for e in self.entries() if e.n_tokens < len(tokens)}
+        for k in sorted(set(self.cut_points(len(tokens), step)) | stored, reverse=True):
             key = self.key(model_fingerprint, signature, tokens[:k])
             snap = self._load(key, model_fingerprint, tokens[:k])
             if snap is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import stat
 import subprocess
@@ -15,52 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from swarmkv_ffi.conductor.client import LmxClient, LmxError
+from lmxd_daemon import SYSTEM_PYTHON, Daemon
+from swarmkv_ffi.conductor.client import LmxError
 
 pytestmark = pytest.mark.timeout(600)
-
-
-class Daemon:
-    def __init__(self, tmp: Path, *args: str, preexec_fn=None):
-        self.path = tmp / "lmx.sock"
-        self.log = (tmp / "lmxd.log").open("w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "swarmkv_ffi.conductor.server",
-                                      "--socket", str(self.path), "--threads", "1", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
-        deadline = time.time() + 60
-        while not self._answers():  # the path may pre-exist (a stale socket): wait for a listener
-            if self.proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"lmxd did not start: {self.logs()}")
-            time.sleep(0.05)
-
-    def _answers(self) -> bool:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.connect(str(self.path))
-            return True
-        except OSError:
-            return False
-        finally:
-            s.close()
-
-    def client(self) -> LmxClient:
-        return LmxClient(str(self.path), timeout=300)
-
-    def raw_socket(self) -> socket.socket:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(120)
-        s.connect(str(self.path))
-        return s
-
-    def logs(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            return self.proc.wait(timeout=60)
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")
@@ -318,7 +275,6 @@ def test_concurrent_clients_never_overshoot_and_end_at_zero(tmp_path):
     assert max(seen_max) <= cap
 
 
-SYSTEM_PYTHON = "/usr/bin/python3"  # readable by other users, unlike a venv under /root
 
 
 @pytest.mark.skipif(os.getuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),

@@ -20,7 +20,7 @@ import pytest
 from swarmkv_ffi import catalog
 from swarmkv_ffi.conductor import protocol
 from swarmkv_ffi.conductor.client import LmxError
-from test_conductor import SYSTEM_PYTHON, Daemon
+from lmxd_daemon import SYSTEM_PYTHON, Daemon
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from test_conductor import Daemon
+from lmxd_daemon import Daemon
 
 pytestmark = [pytest.mark.skipif(os.environ.get("SWARMKV_SOAK") != "1", reason="set SWARMKV_SOAK=1 to run"),
               pytest.mark.timeout(3600)]
