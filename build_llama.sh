@@ -16,7 +16,7 @@ LLAMA_COMMIT=0c1e570          # vendor/llama.cpp inside that sdist (2026-10-01)
 
 usage() {
     cat <<USAGE
-usage: $0 [--portable] [--amx] [--cuda] [--cuda-arch ARCHS] [--prefix DIR] [--jobs N] [--force]
+usage: $0 [--portable] [--amx] [--cuda] [--cuda-arch ARCHS] [--prefix DIR] [--tools] [--jobs N] [--force]
 
 Builds libllama (llama.cpp ${LLAMA_COMMIT}, from ${SDIST_NAME}==${SDIST_VERSION}) into ./libllama/,
 proves it with one real decode in a child process, then writes libllama/manifest.json.
@@ -32,6 +32,9 @@ refuses to load it on a CPU that lacks one (instead of dying with SIGILL).
                      by default
   --cuda             build the CUDA backend (GGML_CUDA=ON); needs nvcc
   --cuda-arch ARCHS  CUDA architectures, e.g. "90" or "80;90" (default: CMake's "native")
+  --tools            also build llama.cpp's own llama-server, llama-bench and
+                     llama-batched-bench from the same source and flags, into
+                     PREFIX/tools/ (the peers \`swarmkv bench peer\` compares us with)
   --prefix DIR       install into DIR instead of ./libllama (use it with SWARMKV_LIBLLAMA=DIR/lib)
   --jobs N           parallel compile jobs (default: nproc)
   --force            rebuild even if the installed manifest matches
@@ -45,10 +48,11 @@ die() { echo "build_llama.sh: error: $*" >&2; exit 1; }
 say() { echo "build_llama.sh: $*" >&2; }
 
 backend=cpu; cuda_arch=""; jobs=$(nproc 2>/dev/null || echo 2); force=0
-target=native; amx=0; prefix_arg=""
+target=native; amx=0; prefix_arg=""; tools=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --portable) target=portable ;;
+        --tools) tools=1 ;;
         --amx) amx=1 ;;
         --cuda) backend=cuda ;;
         --cuda-arch) [ $# -ge 2 ] || die "--cuda-arch needs a value"; cuda_arch="$2"; shift ;;
@@ -145,11 +149,15 @@ fi
 key=$(printf '%s\n' "$SDIST_SHA256" "${flags[@]}" "$cpu_features" | sha256sum | cut -c1-16)
 manifest="$prefix/manifest.json"
 
+lib_ready=0
 if [ $force = 0 ] && [ -f "$manifest" ] && grep -q "\"build_key\": \"$key\"" "$manifest" \
    && [ -f "$prefix/lib/libllama.so" ] && [ -f "$prefix/include/llama.h" ]; then
-    say "up to date ($backend, $target CPU build, llama.cpp $LLAMA_COMMIT)"
-    echo "$prefix/lib/libllama.so"
-    exit 0
+    lib_ready=1
+    if [ $tools = 0 ] || [ -x "$prefix/tools/llama-server" ]; then
+        say "up to date ($backend, $target CPU build, llama.cpp $LLAMA_COMMIT)"
+        echo "$prefix/lib/libllama.so"
+        exit 0
+    fi
 fi
 
 # ---- source: the sdist, checked ------------------------------------------------------
@@ -186,6 +194,31 @@ if command -v ccache >/dev/null; then
     [ "$backend" = cuda ] && launcher+=(-DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
     say "using ccache"
 fi
+
+# llama.cpp's own tools, from the same source and flags: the peers our benchmarks measure
+# against. They go into PREFIX/tools/ beside their own copies of the libraries.
+build_tools() {
+    local tb="$cache/tools-$key"
+    local tflags=("${flags[@]}" -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON)
+    say "configuring llama.cpp's tools in $tb"
+    "$CMAKE" -S "$src" -B "$tb" "${tflags[@]}" "${launcher[@]}" >"$cache/configure-tools-$key.log" 2>&1 \
+        || { tail -30 "$cache/configure-tools-$key.log" >&2; die "cmake configure of the tools failed; log: $cache/configure-tools-$key.log"; }
+    say "compiling llama-server, llama-bench, llama-batched-bench (several minutes on a small machine)"
+    "$CMAKE" --build "$tb" --config Release -j "$jobs" --target llama-server llama-bench llama-batched-bench \
+        >"$cache/build-tools-$key.log" 2>&1 \
+        || { tail -30 "$cache/build-tools-$key.log" >&2; die "compiling the tools failed; log: $cache/build-tools-$key.log"; }
+    rm -rf "$prefix/tools"; mkdir -p "$prefix/tools"
+    cp "$tb/bin/llama-server" "$tb/bin/llama-bench" "$tb/bin/llama-batched-bench" "$prefix/tools/"
+    find "$tb/bin" "$tb/src" "$tb/ggml/src" "$tb/common" -maxdepth 3 -name '*.so*' -exec cp -P {} "$prefix/tools/" \; 2>/dev/null
+    "$prefix/tools/llama-server" --version >/dev/null 2>&1 || die "the freshly built llama-server does not run"
+    say "tools installed into $prefix/tools"
+}
+if [ $lib_ready = 1 ]; then   # only the tools were missing
+    build_tools
+    echo "$prefix/lib/libllama.so"
+    exit 0
+fi
+
 say "configuring ($backend) in $build"
 "$CMAKE" -S "$src" -B "$build" "${flags[@]}" "${launcher[@]}" \
     -DCMAKE_INSTALL_PREFIX="$prefix" -DCMAKE_INSTALL_LIBDIR=lib >"$cache/configure-$key.log" 2>&1 \
@@ -237,4 +270,5 @@ cat >"$manifest" <<JSON
 }
 JSON
 say "installed into $prefix ($target CPU build; needs: ${cpu_features:-nothing beyond the base ISA})"
+[ $tools = 1 ] && build_tools
 echo "$prefix/lib/libllama.so"
