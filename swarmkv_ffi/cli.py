@@ -72,14 +72,18 @@ def relevant_host_features() -> set[str]:
 
 # ---- generate --------------------------------------------------------------------------------
 def cmd_generate(args) -> int:
-    from .context import Context
-    from .generate import generate
     from .model import Model
-    from .sampler import Sampler
 
     t0 = time.perf_counter_ns()
-    model = Model(catalog.resolve(args.model))
-    load_ms = (time.perf_counter_ns() - t0) / 1e6
+    with Model(catalog.resolve(args.model)) as model:
+        return _generate(args, model, (time.perf_counter_ns() - t0) / 1e6)
+
+
+def _generate(args, model, load_ms: float) -> int:
+    from .context import Context
+    from .generate import generate
+    from .sampler import Sampler
+
     text = args.prompt
     if args.chat:
         text = model.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -101,7 +105,6 @@ def cmd_generate(args) -> int:
         sys.stdout.write("\n")
         print(f"[{len(prompt)} prompt tokens in {gen.prompt_ms:.1f} ms, {len(gen.tokens)} generated "
               f"at {gen.tokens_per_s:.1f} tokens/s, load {load_ms:.0f} ms]", file=sys.stderr)
-    model.close()
     return 0
 
 
@@ -109,7 +112,7 @@ def cmd_generate(args) -> int:
 def cmd_fanout(args) -> int:
     from pathlib import Path
 
-    from .fanout import BranchSpec, run_fanout
+    from .fanout import BranchSpec
     from .model import Model
     from .snapshot import Snapshot
 
@@ -126,7 +129,12 @@ def cmd_fanout(args) -> int:
     if args.ray is not None:
         return _fanout_ray(args, document, specs)
     snapshot_in = Snapshot.load(args.snapshot_in) if args.snapshot_in else None
-    model = Model(catalog.resolve(args.model))
+    with Model(catalog.resolve(args.model)) as model:
+        return _fanout_local(args, model, document, specs, snapshot_in, doc_path)
+
+
+def _fanout_local(args, model, document, specs, snapshot_in, doc_path) -> int:
+    from .fanout import run_fanout
     saved = []
     bar = _progress_bar(args)
     try:
@@ -149,7 +157,6 @@ def cmd_fanout(args) -> int:
         print(json.dumps(doc, indent=2))
     else:
         _print_fanout(result, args)
-    model.close()
     return 0
 
 
@@ -259,8 +266,8 @@ def cmd_cache(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import conductor, fanout
-    return {"fanout": fanout.main, "conductor": conductor.main}[args.which](args.rest)
+    from .bench import conductor, fanout, peer
+    return {"fanout": fanout.main, "conductor": conductor.main, "peer": peer.main}[args.which](args.rest)
 
 
 def _add_model_args(p, *, max_tokens=64):
@@ -339,8 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=cmd_cache)
 
-    p = sub.add_parser("bench", help="benchmarks: `swarmkv bench fanout|conductor --help`")
-    p.add_argument("which", choices=["fanout", "conductor"], help="which benchmark")
+    p = sub.add_parser("bench", help="benchmarks: `swarmkv bench fanout|conductor|peer --help`")
+    p.add_argument("which", choices=["fanout", "conductor", "peer"], help="which benchmark")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="its own options")
     p.set_defaults(func=cmd_bench)
     return parser

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
 
 from swarmkv_ffi.bench import conductor, fanout
 
@@ -37,3 +39,11 @@ def test_conductor_bench_smoke(tmp_path):
     swap = report["swap"][0]
     assert swap["swap_ms"] > 0 and swap["reprefill_ms"] > 0 and swap["snapshot_bytes"] > 0
     assert report["status"]["requests"] > 0 and report["status"]["p99_ms"] >= report["status"]["p50_ms"]
+
+
+def test_peer_bench_without_llama_server_says_how_to_build_it(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "swarmkv_ffi.cli", "bench", "peer", "--server",
+                           str(tmp_path / "llama-server"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "./build_llama.sh --tools" in proc.stderr

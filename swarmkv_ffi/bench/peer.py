@@ -1,0 +1,229 @@
+"""`swarmkv bench peer`: our fan-out against llama.cpp's own llama-server, same pin.
+
+A user who wants N answers over one document can already start llama-server (built from
+the same llama.cpp by `./build_llama.sh --tools`) and send it N requests: its slots keep
+the document's prompt cache, so only the first request prefills. That, used the way its
+users use it (its own defaults), is the yardstick. For every (N, answer length) this runs,
+in one process with the model loaded beforehand on both sides and the prefix cache off:
+
+    ours shared     run_fanout(mode="shared"), our defaults
+    ours copy       run_fanout(mode="copy")
+    server seq      N /completion requests one after another (each branch's exact prompt text)
+    server conc     the same N requests at once
+
+and reports end-to-end, prefill, mean per-answer latency, the ratios, and how many answers
+have the same text. llama-server is restarted for every configuration, so no run finds
+another's prompt cache. Output: peer.json, peer.csv and peer.png in --out.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from .. import catalog, library
+from ..fanout import BranchSpec, run_fanout
+from ..model import Model
+from .measure import document_of
+
+QUESTIONS = ["What is this document about?", "Who may use the work?", "What must be kept in copies?",
+             "What is excluded?", "Can I sell copies?", "What happens if I sue?", "What is a Contribution?",
+             "Is there a warranty?"]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """llama-server on a free local port, with its defaults plus model, threads, port."""
+
+    def __init__(self, binary: Path, model_path: Path, threads: int, extra: list[str]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [str(binary), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(self.port),
+               "-t", str(threads), "--no-webui", *extra]
+        self.log = open(os.devnull, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {' '.join(cmd)}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.time() > deadline:
+                self.close()
+                raise RuntimeError("llama-server did not become healthy within 120 s")
+            time.sleep(0.2)
+
+    def complete(self, prompt: str, n_predict: int) -> dict:
+        body = json.dumps({"prompt": prompt, "n_predict": n_predict, "temperature": 0.0,
+                           "cache_prompt": True}).encode()
+        req = urllib.request.Request(self.url + "/completion", data=body,
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            out = json.loads(r.read())
+        out["wall_ms"] = (time.perf_counter() - t0) * 1e3
+        return out
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def server_runs(args, prompts: list[str], gen: int) -> dict:
+    out = {}
+    for name, concurrent in (("server_seq", False), ("server_conc", True)):
+        server = Server(args.server, args.model_path, args.threads, args.server_args)
+        try:
+            t0 = time.perf_counter()
+            if concurrent:
+                replies = [None] * len(prompts)
+
+                def one(i):
+                    replies[i] = server.complete(prompts[i], gen)
+                threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            else:
+                replies = [server.complete(p, gen) for p in prompts]
+            total = (time.perf_counter() - t0) * 1e3
+        finally:
+            server.close()
+        out[name] = {"total_ms": total, "prefill_ms": replies[0]["timings"]["prompt_ms"],
+                     "prompt_tokens_evaluated": [r["timings"]["prompt_n"] for r in replies],
+                     "mean_answer_ms": statistics.mean(r["wall_ms"] for r in replies),
+                     "texts": [r["content"] for r in replies]}
+    return out
+
+
+def our_runs(args, model: Model, document: str, specs: list[BranchSpec]) -> dict:
+    out = {}
+    for mode in ("shared", "copy"):
+        t0 = time.perf_counter()
+        res = run_fanout(model, document, specs, mode=mode, cache=False, n_threads=args.threads)
+        total = (time.perf_counter() - t0) * 1e3
+        out[f"ours_{mode}"] = {
+            "total_ms": total, "prefill_ms": res.prefill_ms,
+            "mean_answer_ms": statistics.mean(b.ready_ms + b.activation_ms + b.decode_ms for b in res.branches),
+            "texts": [b.text for b in res.branches], "prompts": [b.prompt_text for b in res.branches]}
+    return out
+
+
+def one_config(args, model, document, n: int, gen: int) -> dict:
+    specs = [BranchSpec(QUESTIONS[i % len(QUESTIONS)] + ("" if i < len(QUESTIONS) else f" ({i})"),
+                        max_tokens=gen) for i in range(n)]
+    runs = our_runs(args, model, document, specs)
+    prompts = runs["ours_shared"].pop("prompts")
+    runs["ours_copy"].pop("prompts")
+    runs.update(server_runs(args, prompts, gen))
+    ours, peer = runs["ours_shared"], runs["server_seq"]
+    row = {"n": n, "gen": gen,
+           **{f"{k}_total_ms": v["total_ms"] for k, v in runs.items()},
+           **{f"{k}_prefill_ms": v["prefill_ms"] for k, v in runs.items()},
+           **{f"{k}_mean_answer_ms": v["mean_answer_ms"] for k, v in runs.items()},
+           "speedup_shared_vs_server_seq": peer["total_ms"] / ours["total_ms"],
+           "speedup_shared_vs_server_conc": runs["server_conc"]["total_ms"] / ours["total_ms"],
+           "speedup_copy_vs_server_seq": peer["total_ms"] / runs["ours_copy"]["total_ms"],
+           "texts_equal_shared_vs_server_seq": sum(a.strip() == b.strip() for a, b in zip(ours["texts"], peer["texts"])),
+           "texts_equal_shared_vs_copy": sum(a == b for a, b in zip(ours["texts"], runs["ours_copy"]["texts"]))}
+    log(f"N={n:>2} gen={gen:>3}: ours shared {ours['total_ms'] / 1e3:6.1f} s, copy "
+        f"{runs['ours_copy']['total_ms'] / 1e3:6.1f} s | llama-server seq {peer['total_ms'] / 1e3:6.1f} s, "
+        f"conc {runs['server_conc']['total_ms'] / 1e3:6.1f} s | shared/server-seq "
+        f"{row['speedup_shared_vs_server_seq']:.2f}x, same text {row['texts_equal_shared_vs_server_seq']}/{n}")
+    return {"row": row, "texts": {k: v["texts"] for k, v in runs.items()}}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    gens = sorted({r["gen"] for r in rows})
+    fig, axes = plt.subplots(1, len(gens), figsize=(5 * len(gens), 4), squeeze=False)
+    for ax, gen in zip(axes[0], gens):
+        rs = [r for r in rows if r["gen"] == gen]
+        ns = [r["n"] for r in rs]
+        for key, label in (("ours_shared", "ours, shared"), ("ours_copy", "ours, copy"),
+                           ("server_seq", "llama-server, sequential"), ("server_conc", "llama-server, concurrent")):
+            ax.plot(ns, [r[f"{key}_total_ms"] / 1e3 for r in rs], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("branches / requests (N)")
+        ax.set_ylabel("end-to-end (s)")
+        ax.set_title(f"{gen} tokens per answer")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="swarmkv bench peer", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=catalog.DEFAULT_MODEL)
+    ap.add_argument("--tokens", type=int, default=1565, help="document length in tokens (default 1565)")
+    ap.add_argument("--n", default="1,2,4,8,16", help="branch counts (default 1,2,4,8,16)")
+    ap.add_argument("--gen", default="8,32,128", help="answer lengths (default 8,32,128)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--server", type=Path, default=None,
+                    help="llama-server binary (default: PREFIX/tools/llama-server from ./build_llama.sh --tools)")
+    ap.add_argument("--server-arg", dest="server_args", action="append", default=[],
+                    help="extra llama-server flag (repeatable); default: its own defaults")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/peer"))
+    args = ap.parse_args(argv)
+    args.server = args.server or library.install_root(library.find_library()) / "tools" / "llama-server"
+    if not args.server.exists():
+        print(f"swarmkv bench peer: {args.server} not found; build it with ./build_llama.sh --tools",
+              file=sys.stderr)
+        return 2
+    args.model_path = catalog.resolve(args.model)
+    ns, gens = [int(x) for x in args.n.split(",")], [int(x) for x in args.gen.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows, texts = [], {}
+    with Model(args.model_path) as model:
+        document = document_of(model, args.tokens)
+        for gen in gens:
+            for n in ns:
+                result = one_config(args, model, document, n, gen)
+                rows.append(result["row"])
+                texts[f"n{n}_gen{gen}"] = result["texts"]
+                report = {"model": args.model, "document_tokens": args.tokens, "threads": args.threads,
+                          "server": str(args.server), "server_args": args.server_args,
+                          "argv": sys.argv, "rows": rows, "texts": texts}
+                (args.out / "peer.json").write_text(json.dumps(report, indent=2) + "\n")
+                with open(args.out / "peer.csv", "w", newline="") as f:
+                    w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                    w.writeheader()
+                    w.writerows(rows)
+    plot(rows, args.out / "peer.png")
+    log(f"wrote {args.out}/peer.json, peer.csv, peer.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
