@@ -44,8 +44,9 @@ def candidate_paths() -> list[Path]:
     if env:
         p = Path(env)
         found.append(p / "libllama.so" if p.is_dir() else p)
+    # Only the package's own build (never the current directory: a libllama.so planted
+    # in whatever folder a user runs from must not be loaded).
     found.append(REPO_ROOT / "libllama" / "lib" / "libllama.so")
-    found.append(Path.cwd() / "libllama" / "lib" / "libllama.so")
     return found
 
 

@@ -145,3 +145,13 @@ def test_the_tiny_model_loads_and_decodes(tmp_path):
         assert tokens[0] == 1 and len(tokens) > 2
         logits = ctx.logits(ctx.decode_tokens(tokens))
         assert logits.shape == (320,) and np.isfinite(logits).all()
+
+
+def test_the_current_directory_is_never_searched_for_libllama(tmp_path, monkeypatch):
+    planted = tmp_path / "libllama" / "lib" / "libllama.so"
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(b"planted")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(library.ENV_LIBRARY, raising=False)
+    assert planted not in library.candidate_paths()
+    assert library.find_library() != planted
