@@ -349,3 +349,24 @@ def test_lmxd_contexts_keep_full_sliding_window_caches():
         ctx.close()
     finally:
         c.close()
+
+
+def test_own_gpu_memory_is_not_counted_twice_in_a_pid_namespace(monkeypatch):
+    """NVML reports host PIDs inside a container: our process is one of them, unrecognised."""
+    from types import SimpleNamespace
+
+    from swarmkv_ffi.conductor.memory import DeviceMemory
+    gib = 1 << 30
+    fake = SimpleNamespace(
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(total=80 * gib, used=30 * gib, free=50 * gib),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [SimpleNamespace(pid=4_000_000, usedGpuMemory=20 * gib),
+                                                        SimpleNamespace(pid=4_000_001, usedGpuMemory=10 * gib)],
+        nvmlDeviceGetName=lambda h: "Fake GPU")
+    monkeypatch.setattr(DeviceMemory, "_open_nvml", staticmethod(lambda device: (fake, None)))
+    mem = DeviceMemory(budget_bytes=None, own_hint=lambda: 20 * gib, refresh_s=3600)
+    try:
+        reading = mem.refresh()
+        assert reading.own == 20 * gib and reading.others == 10 * gib
+        assert mem.budget() == int(80 * gib * 0.9) - 10 * gib
+    finally:
+        mem.close()

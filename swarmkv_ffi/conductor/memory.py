@@ -44,12 +44,14 @@ class DeviceMemory:
     """Live memory figures for one device; refresh() re-reads them."""
 
     def __init__(self, device: int = 0, budget_bytes: int | None = None,
-                 admission_percent: float = 90.0, refresh_s: float = 2.0):
+                 admission_percent: float = 90.0, refresh_s: float = 2.0, own_hint=None):
         if not 0 < admission_percent <= 100:
             raise ValueError(f"admission percent must be in (0, 100], got {admission_percent}")
         if budget_bytes is not None and budget_bytes <= 0:
             raise ValueError(f"--budget-bytes must be positive, got {budget_bytes}")
         self.device, self.budget_bytes, self.percent = device, budget_bytes, admission_percent
+        # What this daemon has booked, for when NVML cannot name our process (below).
+        self.own_hint = own_hint or (lambda: 0)
         self._nvml = self._open_nvml(device)
         self._lock = threading.Lock()
         self.reading = self._read()
@@ -79,13 +81,21 @@ class DeviceMemory:
             return _host_reading()
         pynvml, handle = self._nvml
         mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        own = 0
+        own, found, foreign = 0, False, False
         try:
             for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                if proc.pid == os.getpid() and proc.usedGpuMemory:
-                    own += proc.usedGpuMemory
+                if proc.pid == os.getpid():
+                    found = True
+                    own += proc.usedGpuMemory or 0
+                elif not os.path.exists(f"/proc/{proc.pid}"):
+                    foreign = True
         except Exception:
             pass
+        if not found and foreign:
+            # In a PID namespace (a container) NVML reports host PIDs, so our own process
+            # is not recognisable and its memory would count as "others" on top of what
+            # the ledger already holds for it. Count what we booked as ours instead.
+            own = min(mem.used, self.own_hint())
         name = pynvml.nvmlDeviceGetName(handle)
         name = name.decode() if isinstance(name, bytes) else name
         return MemoryReading("nvml", name, mem.total, mem.used, mem.free, own, time.time())

@@ -369,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("swarmkv_ffi.llama").setLevel(logging.INFO if args.verbose else logging.CRITICAL)
     try:
         table = load_table(args.vram_table) if args.vram_table else None
-        memory = DeviceMemory(args.device, args.budget_bytes, args.admission_percent)
+        booked = []   # the ledger, once it exists: what NVML cannot attribute to us in a container
+        memory = DeviceMemory(args.device, args.budget_bytes, args.admission_percent,
+                              own_hint=lambda: booked[0].allocated if booked else 0)
         if args.line_cap < 64:
             raise ValueError("--line-cap must be at least 64 bytes")
         if args.max_clients < 1 or args.idle_timeout < 0 or args.agent_ttl < 0:
@@ -379,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--swap-budget-bytes must be >= 0")
         conductor = Conductor(Ledger(memory.budget), table, n_threads=args.threads,
                               swap=Ledger(lambda: swap, name="SWAP"), agent_ttl=args.agent_ttl)
+        booked.append(conductor.ledger)
         server = Server(Path(args.socket), conductor, memory, set(args.allow_uid), args.line_cap,
                         args.max_clients, args.idle_timeout)
         signal.signal(signal.SIGTERM, server.stop)
