@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from swarmkv_ffi.bench.measure import report_json
+
 CHILD = r"""
 import json, sys, time
 from swarmkv_ffi import Model, catalog, library
@@ -77,10 +79,7 @@ def main() -> int:
               "repeats": args.repeats, "builds": summary,
               "b_over_a_prefill": summary["b"]["pp_tps_median"] / summary["a"]["pp_tps_median"],
               "b_over_a_decode": summary["b"]["tg_tps_median"] / summary["a"]["tg_tps_median"]}
-    print(json.dumps(report, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    report_json(report, args.out)
     return 0
 
 

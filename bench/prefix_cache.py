@@ -15,14 +15,13 @@ apart from every run. Writes JSON with --out.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from swarmkv_ffi import Model, catalog
-from swarmkv_ffi.bench.measure import document_of
+from swarmkv_ffi.bench.measure import document_of, report_json
 from swarmkv_ffi.fanout import BranchSpec, run_fanout
 from swarmkv_ffi.prefix_cache import PrefixCache
 
@@ -75,10 +74,7 @@ def main() -> int:
         "extended_answers_equal_uncached": runs["extended"]["answers"] == runs["extended_cold"]["answers"],
         "runs": {k: {kk: vv for kk, vv in v.items() if kk != "answers"} for k, v in runs.items()},
     }
-    print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    report_json(report, args.out, shown={k: v for k, v in report.items() if k != "runs"})
     return 0
 
 

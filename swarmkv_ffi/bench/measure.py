@@ -2,6 +2,7 @@
 of an exact token length, and the machine's name for result folders."""
 from __future__ import annotations
 
+import json
 import platform
 import threading
 from pathlib import Path
@@ -82,3 +83,11 @@ QUESTIONS = [
     "Does this cover installation information?",
     "What is the definition of a covered work?",
 ]
+
+
+def report_json(report: dict, out: Path | None, shown: dict | None = None) -> None:
+    """Print a benchmark's figures (or the `shown` part of them) and write all to `out`."""
+    print(json.dumps(report if shown is None else shown, indent=2))
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
