@@ -370,3 +370,49 @@ def test_own_gpu_memory_is_not_counted_twice_in_a_pid_namespace(monkeypatch):
         assert mem.budget() == int(80 * gib * 0.9) - 10 * gib
     finally:
         mem.close()
+
+
+def test_concurrent_first_use_assembles_a_model_once_and_never_half(tmp_path):
+    """Two threads (or processes) resolving gemma3-270m for the first time: one assembles
+    into a temporary name and renames; the other waits and reuses it."""
+    import threading
+    from types import SimpleNamespace
+
+    from swarmkv_ffi.catalog import _assemble_once
+    calls = []
+
+    def assemble(path, overwrite):
+        calls.append(path)
+        with open(path, "wb") as f:
+            for _ in range(20):
+                f.write(b"x" * 1000)
+                f.flush()
+                time.sleep(0.01)
+    target = tmp_path / "model.gguf"
+    results, sizes = [], []
+
+    def first_use():
+        results.append(_assemble_once(SimpleNamespace(assemble=assemble), target, 20_000))
+
+    def watch():
+        while len(results) < 2:
+            if target.exists():
+                sizes.append(target.stat().st_size)
+    threads = [threading.Thread(target=first_use) for _ in range(2)] + [threading.Thread(target=watch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == [target, target] and len(calls) == 1
+    assert set(sizes) <= {20_000}, "a reader saw a half-assembled file"
+
+
+def test_every_booking_is_checked_against_the_cap():
+    from swarmkv_ffi.conductor.ledger import Ledger, LedgerDenied
+    ledger = Ledger(lambda: 1000)
+    ledger.reserve("agent:a", 600)
+    with pytest.raises(LedgerDenied) as info:
+        ledger.settle({"agent:a": 300, "model:m": 800})   # weights measured larger than estimated
+    assert info.value.request == 500 and ledger.allocated == 600   # nothing changed
+    ledger.settle({"agent:a": 300, "model:m": 700})
+    assert ledger.allocated == 1000
