@@ -170,7 +170,7 @@ def test_cancelled_decode_is_logged_as_cancelled(daemon):
     with daemon.client() as c:
         c.register("gone", "smollm2-135m", n_ctx=512)
     s = daemon.raw_socket()
-    s.sendall(b"DECODE gone 300 Tell me everything about foxes\n")
+    s.sendall(b"DECODE gone 300 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,\n")
     time.sleep(0.5)
     s.close()
     with daemon.client() as c:
