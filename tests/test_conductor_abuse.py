@@ -293,9 +293,9 @@ def test_other_users_see_and_touch_only_their_own_agents():
     try:
         with d.client() as c:
             c.register("mine", "smollm2-135m", n_ctx=256)
-        out = as_nobody("LIST", "DECODE mine 2 hi", "RESET mine", "UNREGISTER mine",
+        out = as_nobody("STATUS", "LIST", "DECODE mine 2 hi", "RESET mine", "UNREGISTER mine",
                         "REGISTER theirs smollm2-135m n_ctx=256", "LIST")
-        assert "OK invoke=LIST agents=0" in out
+        assert "OK invoke=LIST agents=0" in out and "OK agents=0 decode_queue=" in out
         assert out.count("ERR FORBIDDEN agent mine belongs to another user") == 3
         assert "agent_id=theirs" in out and "agent_id=mine" not in out
         with d.client() as c:

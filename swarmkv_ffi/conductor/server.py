@@ -306,7 +306,7 @@ class Server:
                         device_free_bytes=m.free, device_used_by_others_bytes=m.others,
                         budget_fixed=self.memory.budget_bytes is not None),
             protocol.kv(swap_max_bytes=c.swap.limit(), swap_allocated_bytes=c.swap.allocated),
-            protocol.kv(agents=len(c.agents), decode_queue=c.slot.waiting,
+            protocol.kv(agents=len(self._visible(uid)), decode_queue=c.slot.waiting,
                         live_agent=c.live[0].id if c.live and c.live[0] in self._visible(uid) else None,
                         uptime_s=round(time.time() - self.started, 1)),
         ]
