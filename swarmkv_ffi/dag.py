@@ -5,8 +5,11 @@ as "prefill reached token W") has resolved. Scheduling is driven by completion c
 so no worker ever blocks waiting for another node: a pool of any size cannot deadlock.
 
 A node whose dependency or gate failed does not run; it fails with the *same* exception
-object, and `run()` raises the first failure. `run(timeout=…)` never waits forever: it
-raises DagTimeoutError naming the nodes still pending.
+object, and `run()` raises the first failure. `run(timeout=…)` never waits forever: on a
+timeout it sets `dag.stop` (nodes that hold resources check it between steps and return
+early), cancels what has not started, waits for the running nodes to end, and only then
+raises DagTimeoutError naming the nodes that were pending: when run() returns or raises,
+no node is still using what its caller may free next (a model, a context).
 """
 from __future__ import annotations
 
@@ -35,9 +38,14 @@ class Node:
     future: Future = field(default_factory=Future)
 
 
+class DagStopped(SwarmKVError):
+    """Raised by a node that noticed `dag.stop` (run() timed out) and gave up."""
+
+
 class Dag:
     def __init__(self):
         self.nodes: dict[str, Node] = {}
+        self.stop = threading.Event()
 
     def add(self, name: str, fn: Callable[[dict[str, Any]], Any], deps=(), gates=()) -> None:
         """Add node `name`; `fn` gets a dict {dependency name: its result}."""
@@ -136,13 +144,16 @@ class Dag:
             if pending:
                 timed_out = True
                 names = sorted(n.name for n in self.nodes.values() if not n.future.done())
+                self.stop.set()
                 for f in pending:
                     f.cancel()
                 raise DagTimeoutError(
                     f"DAG did not finish within {timeout} s; still pending: {', '.join(names)}")
         finally:
-            # After a timeout, do not wait for nodes still running: they finish on their own.
-            pool.shutdown(wait=not timed_out, cancel_futures=timed_out)
+            # Running nodes are joined even after a timeout (they have been told to stop):
+            # a node abandoned here could still be inside llama_decode on a context that
+            # the caller frees as soon as we return.
+            pool.shutdown(wait=True, cancel_futures=timed_out)
         if failures:
             raise failures[0]
         return {name: node.future.result() for name, node in self.nodes.items()}

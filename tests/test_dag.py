@@ -121,3 +121,21 @@ def test_timeout_names_pending_nodes():
     with pytest.raises(DagTimeoutError, match="stuck"):
         dag.run(timeout=0.1)
     assert time.monotonic() - t0 < 2
+
+
+def test_timeout_stops_and_joins_running_nodes_before_raising():
+    """A node still running when run() gives up is told to stop and waited for: after
+    run() raises, nothing the caller frees next can still be in use."""
+    dag = Dag()
+    finished = []
+
+    def worker(_):
+        while not dag.stop.wait(0.01):
+            pass
+        time.sleep(0.2)          # cleaning up after noticing the stop
+        finished.append(True)
+    dag.add("worker", worker)
+    with pytest.raises(DagTimeoutError, match="worker"):
+        dag.run(timeout=0.1)
+    assert finished == [True]
+    assert not [t for t in threading.enumerate() if t.name.startswith("dag")]

@@ -6,6 +6,7 @@ that, and require the first token everywhere and >= 90 % identical 16-token answ
 """
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -125,3 +126,15 @@ def test_invalid_specs_are_rejected(smol):
         run_fanout(smol, DOC, [BranchSpec("q")], mode="fast")
     with pytest.raises(ValueError, match="empty"):
         run_fanout(smol, "   ", [BranchSpec("q")])
+
+
+@pytest.mark.parametrize("mode", ["shared", "copy"])
+def test_a_timed_out_fanout_leaves_no_decode_running(smol, mode):
+    """After the timeout the model may be closed at once: every node has stopped."""
+    from swarmkv_ffi.dag import DagTimeoutError
+    with pytest.raises(DagTimeoutError):
+        run_fanout(smol, DOC * 6, specs(QUESTIONS[:2], max_tokens=64), mode=mode, n_batch=32,
+                   cache=False, timeout=0.5)
+    assert not [t for t in threading.enumerate() if t.name.startswith("dag")]
+    out = run_fanout(smol, DOC, specs(QUESTIONS[:1], max_tokens=2), mode=mode, **FANOUT)
+    assert out.branches[0].token_ids            # the model is still usable

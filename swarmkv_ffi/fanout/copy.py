@@ -79,6 +79,7 @@ def _copy_branch(plan: Plan, i: int, gate_value, keep_logits: bool) -> BranchRes
         if w < mine.header.n_tokens:  # a full snapshot reused for a watermark branch
             ctx.seq_rm(0, w, -1)
         res.fork_ms = (time.perf_counter_ns() - t) / 1e6
+        plan.check_stop()
         gen = generate(ctx, plan.layout.suffixes[i], max_tokens=plan.specs[i].max_tokens,
-                       sampler=sampler, pos0=w, keep_first_logits=keep_logits)
+                       sampler=sampler, pos0=w, keep_first_logits=keep_logits, should_stop=plan.stop.is_set)
     return record_generation(res, gen, res.fork_ms)

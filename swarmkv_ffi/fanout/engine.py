@@ -50,6 +50,7 @@ def run_fanout(model: Model, document: str, specs: list[BranchSpec], *, mode: st
         snapshot_out(snapshot_in)  # a cache hit: the document's snapshot without a prefill
         snapshot_out = None
     dag = Dag()
+    plan.stop = dag.stop
     if mode == "shared":
         dag.add("shared", lambda _: run_shared(plan, snapshot_in, snapshot_out, progress, keep_logits,
                                                serialize, on_capture=captured.append))

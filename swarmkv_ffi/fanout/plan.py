@@ -2,6 +2,7 @@
 context or buffer exists (prompt layout, watermarks, context budget)."""
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -10,6 +11,7 @@ import numpy as np
 from ..batch import Batch
 from ..budget import DEFAULT_HEADROOM, check_budget
 from ..context import Context, ContextParams
+from ..dag import DagStopped
 from ..errors import SnapshotMismatchError
 from ..generate import Generation
 from ..model import Model
@@ -90,6 +92,12 @@ class Plan:
     kv_type: str = "q8_0"
     flash_attn: str = "on"
     capture_at: frozenset = frozenset()   # prefix lengths to snapshot for the prefix cache
+    stop: threading.Event = field(default_factory=threading.Event)  # set when the run times out
+
+    def check_stop(self) -> None:
+        """Give up between two decodes once the run has timed out."""
+        if self.stop.is_set():
+            raise DagStopped("the fan-out timed out; this step was not started")
 
     def ms(self) -> float:
         return (time.perf_counter_ns() - self.t0) / 1e6
@@ -175,6 +183,7 @@ def prefill(plan: Plan, ctx: Context, upto: int | None = None, on_chunk=None, st
     upto = plan.layout.n_prefix if upto is None else upto
     done, batch = start, Batch(plan.n_batch)
     for stop in (s for s in prefill_stops(plan) if start < s <= upto):
+        plan.check_stop()
         batch.clear().add_sequence(prefix[done:stop], done, 0, logits_last=False)
         ctx.decode(batch)
         done = stop

@@ -75,6 +75,7 @@ def run_shared(plan: Plan, snapshot_in, snapshot_out, progress, keep_logits, ser
         t_prefill = plan.ms()
         ready_at = {w: t_prefill for w in set(plan.watermarks) if w <= done}
         while waiting or live or done < n:
+            plan.check_stop()
             while waiting and plan.watermarks[waiting[0]] <= done:
                 live.append(fork(ctx, plan, waiting.pop(0), results, ready_at))
             stop = next(stops) if done < n else done
