@@ -138,3 +138,11 @@ def test_a_timed_out_fanout_leaves_no_decode_running(smol, mode):
     assert not [t for t in threading.enumerate() if t.name.startswith("dag")]
     out = run_fanout(smol, DOC, specs(QUESTIONS[:1], max_tokens=2), mode=mode, **FANOUT)
     assert out.branches[0].token_ids            # the model is still usable
+
+
+def test_shared_mode_honours_n_ctx_and_headroom_and_reports_its_context(smol):
+    big = run_fanout(smol, DOC, specs(QUESTIONS[:2], max_tokens=4), n_ctx=4096, **FANOUT)
+    assert big.n_ctx == 4096                      # was: a context sized from the cells, 4096 reported
+    small = run_fanout(smol, DOC, specs(QUESTIONS[:2], max_tokens=4), **FANOUT)
+    roomy = run_fanout(smol, DOC, specs(QUESTIONS[:2], max_tokens=4), headroom=1000, **FANOUT)
+    assert roomy.n_ctx >= small.n_ctx + 768       # the caller's headroom, not the default 128

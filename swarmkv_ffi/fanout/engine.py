@@ -54,18 +54,18 @@ def run_fanout(model: Model, document: str, specs: list[BranchSpec], *, mode: st
     if mode == "shared":
         dag.add("shared", lambda _: run_shared(plan, snapshot_in, snapshot_out, progress, keep_logits,
                                                serialize, on_capture=captured.append))
-        results = dag.run(max_workers=1, timeout=timeout)["shared"]
-        branches, prefill_ms, snapshot_bytes = results
+        branches, prefill_ms, snapshot_bytes, n_ctx_used = dag.run(max_workers=1, timeout=timeout)["shared"]
     else:
         add_copy_nodes(dag, plan, snapshot_in, snapshot_out, progress, keep_logits, on_capture=captured.append)
         out = dag.run(max_workers=branch_workers + 1, timeout=timeout)
         branches = [out[f"branch-{i}"] for i in range(len(specs))]
         prefill_ms, snapshot_bytes = out["prefill"]
+        n_ctx_used = plan.n_ctx
     total_ms = plan.ms()
     for snap in captured:
         cache.store(snap, plan.cache_signature(), head=document)
     return FanoutResult(mode=mode, model=model.path.name, n_prefix=plan.layout.n_prefix,
-                        n_ctx=plan.n_ctx, prefill_ms=prefill_ms, prefill_skipped=restored == plan.layout.n_prefix,
+                        n_ctx=n_ctx_used, prefill_ms=prefill_ms, prefill_skipped=restored == plan.layout.n_prefix,
                         snapshot_bytes=snapshot_bytes, total_ms=total_ms, branches=branches,
                         cached_tokens=restored, cache_store_ms=plan.ms() - total_ms)
 

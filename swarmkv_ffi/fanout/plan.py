@@ -91,6 +91,7 @@ class Plan:
     t0: int
     kv_type: str = "q8_0"
     flash_attn: str = "on"
+    headroom: int = DEFAULT_HEADROOM
     capture_at: frozenset = frozenset()   # prefix lengths to snapshot for the prefix cache
     stop: threading.Event = field(default_factory=threading.Event)  # set when the run times out
 
@@ -152,7 +153,7 @@ def plan_fanout(model: Model, document: str, specs: list[BranchSpec], *, n_ctx: 
     n_ctx = n_ctx or round_up(lay.n_prefix + max_branch + headroom, 256)
     check_budget(lay.n_prefix, max_branch, n_ctx, headroom)
     return Plan(model, lay, list(specs), watermarks, n_ctx, n_batch, n_threads,
-                swa_full=model.n_swa > 0, t0=t0, kv_type=kv_type, flash_attn=flash_attn)
+                swa_full=model.n_swa > 0, t0=t0, kv_type=kv_type, flash_attn=flash_attn, headroom=headroom)
 
 
 def check_snapshot_document(snap: Snapshot, lay: PromptLayout, partial: bool = False) -> None:

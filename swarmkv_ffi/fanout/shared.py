@@ -12,7 +12,6 @@ import time
 
 from .. import library
 from ..batch import Batch
-from ..budget import DEFAULT_HEADROOM
 from ..errors import BudgetError
 from ..generate import TextStream
 from ..model import Model
@@ -59,13 +58,16 @@ def run_shared(plan: Plan, snapshot_in, snapshot_out, progress, keep_logits, ser
     if n_branches + 1 > library.lib().llama_max_parallel_sequences():
         raise BudgetError(f"shared mode holds one sequence per branch plus the document: "
                           f"{n_branches + 1} > llama_max_parallel_sequences()")
-    cells = n + sum(len(lay.suffixes[i]) + s.max_tokens for i, s in enumerate(plan.specs)) + DEFAULT_HEADROOM
+    # One context holds the document once and every branch's own cells; the planned n_ctx
+    # (one sequence's budget) is its floor, the caller's headroom its margin.
+    cells = n + sum(len(lay.suffixes[i]) + s.max_tokens for i, s in enumerate(plan.specs)) + plan.headroom
+    n_ctx = max(plan.n_ctx, round_up(cells, 256))
     step_capacity = plan.n_batch + sum(len(s) for s in lay.suffixes) + n_branches
     results = [plan.result(i) for i in range(n_branches)]
     waiting = sorted(range(n_branches), key=lambda i: plan.watermarks[i])
     live: list[_Live] = []
     prefill_ms, snapshot_bytes = 0.0, 0
-    with plan.context(round_up(cells, 256), n_seq_max=n_branches + 1, n_batch=step_capacity) as ctx:
+    with plan.context(n_ctx, n_seq_max=n_branches + 1, n_batch=step_capacity) as ctx:
         done = 0
         if snapshot_in is not None:
             snapshot_in.restore(ctx, 0)
@@ -113,7 +115,7 @@ def run_shared(plan: Plan, snapshot_in, snapshot_out, progress, keep_logits, ser
                 for b in group:
                     if b is not None:
                         sample(ctx, plan, b, live, keep_logits)
-    return results, prefill_ms, snapshot_bytes
+    return results, prefill_ms, snapshot_bytes, n_ctx
 
 
 def sample(ctx, plan: Plan, b: _Live, live: list[_Live], keep_logits: bool) -> None:
