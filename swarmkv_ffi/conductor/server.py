@@ -12,9 +12,9 @@ file is reclaimed, a live daemon's is not.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
-import errno
 import select
 import signal
 import socket
