@@ -10,8 +10,8 @@ before its end, at the last boundary before its end (boundaries are multiples of
 `boundary` tokens) and at `boundary` x 1, 2, 4, 8 ... (so storage grows with the log of
 the length). A document that extends a cached one (a growing log) restores all of the old
 one but its last TAIL tokens; one that shares only a preamble restores the largest
-power-of-two boundary inside it; either way only the rest is prefilled. Lookups try the
-whole prefix, then every length stored for any document and every boundary, longest first.
+power-of-two boundary inside it; either way only the rest is prefilled. Lookups try every
+length some entry was stored at (the sidecars say), longest first.
 
 Safe with several processes: files are written to a temporary name and renamed; writes
 and eviction hold an exclusive flock on the folder's lock file, reads a shared one; a
@@ -87,12 +87,6 @@ class PrefixCache:
                  "context": signature, "tokens": tokens_hash(tokens), "n": len(tokens)}
         return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=20).hexdigest()
 
-    def cut_points(self, n_tokens: int, step: int | None = None) -> list[int]:
-        """Prefix lengths an entry may exist at, longest first: the whole prefix and each
-        multiple of `step` (default: boundary) below it."""
-        step = step or self.boundary
-        return sorted({n_tokens} | set(range(step, n_tokens, step)), reverse=True)
-
     def store_points(self, n_tokens: int, step: int | None = None) -> list[int]:
         """Prefix lengths to store a document at: the whole prefix, TAIL tokens short of
         it, the last boundary before it, and step x 1, 2, 4, ... below it."""
@@ -124,11 +118,12 @@ class PrefixCache:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     # ---- lookup and store --------------------------------------------------------------------
-    def lookup(self, model_fingerprint: str, signature: dict, tokens, step: int | None = None) -> Snapshot | None:
-        """The snapshot of the longest cached prefix of `tokens`, or None."""
+    def lookup(self, model_fingerprint: str, signature: dict, tokens) -> Snapshot | None:
+        """The snapshot of the longest cached prefix of `tokens`, or None. Only lengths
+        some entry was stored at can match, and every entry's sidecar names its length."""
         tokens = np.asarray(tokens, dtype=np.int32)
-        stored = {e.n_tokens for e in self.entries() if e.n_tokens < len(tokens)}
-        for k in sorted(set(self.cut_points(len(tokens), step)) | stored, reverse=True):
+        stored = {e.n_tokens for e in self.entries() if e.n_tokens <= len(tokens)}
+        for k in sorted(stored, reverse=True):
             key = self.key(model_fingerprint, signature, tokens[:k])
             snap = self._load(key, model_fingerprint, tokens[:k])
             if snap is not None:

@@ -62,8 +62,9 @@ def run_fanout(model: Model, document: str, specs: list[BranchSpec], *, mode: st
         prefill_ms, snapshot_bytes = out["prefill"]
         n_ctx_used = plan.n_ctx
     total_ms = plan.ms()
+    signature = plan.cache_signature() if captured else None
     for snap in captured:
-        cache.store(snap, plan.cache_signature(), head=document)
+        cache.store(snap, signature, head=document)
     return FanoutResult(mode=mode, model=model.path.name, n_prefix=plan.layout.n_prefix,
                         n_ctx=n_ctx_used, prefill_ms=prefill_ms, prefill_skipped=restored == plan.layout.n_prefix,
                         snapshot_bytes=snapshot_bytes, total_ms=total_ms, branches=branches,
@@ -77,7 +78,7 @@ def _step(cache: PrefixCache, plan) -> int:
 
 def _cached_start(cache: PrefixCache, plan) -> Snapshot | None:
     """The longest cached start of this document's prefix (checked), or None."""
-    snap = cache.lookup(plan.model.fingerprint, plan.cache_signature(), plan.layout.prefix, _step(cache, plan))
+    snap = cache.lookup(plan.model.fingerprint, plan.cache_signature(), plan.layout.prefix)
     if snap is not None:
         check_snapshot_document(snap, plan.layout, partial=True)
     return snap
