@@ -11,8 +11,8 @@ Both schedules run on the same allocations. Wall time comes from perf_counter ar
 fully synchronised run; per-layer times from CUDA events when the driver has them (the
 simulator's events have no timing, and we report none rather than a made-up number).
 
-Every operation issued is logged in `last_schedule` (see schedule.py, which proves the
-log race-free), and after each layer's kernel a few hundred fixed elements of the output
+Every operation issued is logged (each run's `RunResult.schedule_log`; schedule.py proves
+the log race-free), and after each layer's kernel a few hundred fixed elements of the output
 are gathered on the device, so every run of every trial can be checked against NumPy
 at any size (`check()`).
 """
