@@ -47,14 +47,20 @@ def features_from_macros(text: str) -> list[str]:
     return sorted({flag for macro, flag in table.items() if macro in defined})
 
 
-def host_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
-    """This CPU's feature flags as the kernel reports them; None where we cannot tell."""
+def _cpuinfo_field(pattern: str) -> str | None:
+    """The first /proc/cpuinfo line whose key matches `pattern`: its value, or None."""
     try:
-        text = cpuinfo.read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
-    match = re.search(r"^(?:flags|Features)\s*:\s*(.*)$", text, flags=re.M)
-    return set(match.group(1).split()) if match else None
+    match = re.search(rf"^(?:{pattern})\s*:\s*(.*)$", text, flags=re.M)
+    return match.group(1).strip() if match else None
+
+
+def host_features() -> set[str] | None:
+    """This CPU's feature flags as the kernel reports them; None where we cannot tell."""
+    flags = _cpuinfo_field("flags|Features")
+    return set(flags.split()) if flags is not None else None
 
 
 def missing_features(required: list[str], host: set[str] | None = None) -> list[str]:
@@ -67,13 +73,9 @@ def missing_features(required: list[str], host: set[str] | None = None) -> list[
 
 def describe_host() -> str:
     """One line naming this CPU, for error messages and `swarmkv info`."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        match = re.search(r"^model name\s*:\s*(.*)$", text, flags=re.M)
-        if match:
-            return f"{match.group(1).strip()} ({platform.machine()})"
-    except OSError:
-        pass
+    name = _cpuinfo_field("model name")
+    if name:
+        return f"{name} ({platform.machine()})"
     return platform.machine() or "unknown CPU"
 
 
