@@ -50,6 +50,12 @@ class Daemon:
         self.log.flush()
         return Path(self.log.name).read_text()
 
+    def __enter__(self) -> "Daemon":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -224,15 +224,12 @@ def test_stale_socket_is_reclaimed(tmp_path):
 
 
 def test_budget_denial_is_exact_and_changes_nothing(tmp_path):
-    d = Daemon(tmp_path, "--budget-bytes", "250000000")
-    try:
+    with Daemon(tmp_path, "--budget-bytes", "250000000") as d:
         with d.client() as c:
             c.register("one", "smollm2-135m", n_ctx=512)
             before = c.status()["fields"]
             lines = c.raw("REGISTER two gemma3-270m n_ctx=512")
             after = c.status()["fields"]
-    finally:
-        d.stop()
     assert re.fullmatch(r"ERR VRAM_LEDGER_DENY code=CAP ledger_max_bytes=250000000 "
                         rf"ledger_allocated_bytes={before['ledger_allocated_bytes']} "
                         r"request_table_bytes=\d+", lines[-1]), lines

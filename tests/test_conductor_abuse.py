@@ -102,8 +102,7 @@ def test_running_out_of_descriptors_is_not_fatal(tmp_path):
 
 
 def test_max_clients_answers_busy(tmp_path):
-    d = Daemon(tmp_path, "--max-clients", "2")
-    try:
+    with Daemon(tmp_path, "--max-clients", "2") as d:
         a, b = d.raw_socket(), d.raw_socket()
         for s in (a, b):
             s.sendall(b"HELP\n")
@@ -116,19 +115,14 @@ def test_max_clients_answers_busy(tmp_path):
         with d.client() as c:
             assert c.status()
         b.close()
-    finally:
-        d.stop()
 
 
 def test_idle_connection_is_closed_with_a_reason(tmp_path):
-    d = Daemon(tmp_path, "--idle-timeout", "1")
-    try:
+    with Daemon(tmp_path, "--idle-timeout", "1") as d:
         s = d.raw_socket()
         reader = s.makefile("rb")
         assert reader.readline().decode().startswith("ERR IDLE_TIMEOUT")
         assert reader.readline() == b""
-    finally:
-        d.stop()
 
 
 @pytest.fixture(scope="module")
@@ -233,19 +227,15 @@ def test_a_file_truncated_while_its_header_is_read_is_an_error_not_sigbus(tmp_pa
 def test_vram_table_second_agent_of_a_model_is_admitted(tmp_path):
     table = tmp_path / "table.json"
     table.write_text(json.dumps({"smollm2-135m": 150_000_000}))
-    d = Daemon(tmp_path, "--vram-table", str(table))
-    try:
+    with Daemon(tmp_path, "--vram-table", str(table)) as d:
         with d.client() as c:
             c.register("t1", "smollm2-135m", n_ctx=256)
             c.register("t2", "smollm2-135m", n_ctx=256)   # was ERR INTERNAL (zero reservation)
             assert c.status()["fields"]["agents"] == "2"
-    finally:
-        d.stop()
 
 
 def test_swap_budget_denies_with_numbers_and_keeps_the_live_agent(tmp_path):
-    d = Daemon(tmp_path, "--swap-budget-bytes", "1000")
-    try:
+    with Daemon(tmp_path, "--swap-budget-bytes", "1000") as d:
         with d.client() as c:
             c.register("s1", "smollm2-135m", n_ctx=256)
             c.register("s2", "smollm2-135m", n_ctx=256)
@@ -258,13 +248,10 @@ def test_swap_budget_denies_with_numbers_and_keeps_the_live_agent(tmp_path):
             assert s1["state"] == "active"
             assert int(s1["tokens"]) >= int(first["fields"]["prompt_tokens"])
             assert c.status()["fields"]["swap_allocated_bytes"] == "0"
-    finally:
-        d.stop()
 
 
 def test_idle_agents_expire(tmp_path):
-    d = Daemon(tmp_path, "--agent-ttl", "1")
-    try:
+    with Daemon(tmp_path, "--agent-ttl", "1") as d:
         with d.client() as c:
             c.register("brief", "smollm2-135m", n_ctx=256)
             deadline = time.time() + 30
@@ -272,8 +259,6 @@ def test_idle_agents_expire(tmp_path):
                 assert time.time() < deadline, "agent did not expire"
                 time.sleep(0.5)
             assert c.status()["fields"]["ledger_allocated_bytes"] == "0"
-    finally:
-        d.stop()
 
 
 def test_other_users_see_and_touch_only_their_own_agents():
