@@ -20,6 +20,8 @@ usage: $0 [--portable] [--amx] [--cuda] [--cuda-arch ARCHS] [--prefix DIR] [--to
 
 Builds libllama (llama.cpp ${LLAMA_COMMIT}, from ${SDIST_NAME}==${SDIST_VERSION}) into ./libllama/,
 proves it with one real decode in a child process, then writes libllama/manifest.json.
+The patches in kernels/ggml/ (exact mode's batch-invariant kernels) are applied first;
+the build fails if one does not apply, and the manifest lists them.
 
 By default the CPU code is compiled for this machine's CPU (-march=native) without
 ggml's AMX path, and the manifest records the instruction sets it needs: swarmkv_ffi
@@ -145,8 +147,14 @@ fi
 if [ "$backend" = cuda ]; then
     flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${cuda_arch:-native}")
 fi
+# ---- our patches to the pinned sources (kernels/ggml/*.patch, applied in name order) --
+patches=("$root"/kernels/ggml/*.patch)
+[ -e "${patches[0]}" ] || die "no patches found in $root/kernels/ggml/ (a broken checkout?)"
+patch_set=$(cat "${patches[@]}" | sha256sum | cut -c1-16)
+command -v patch >/dev/null || die "the 'patch' program is needed to apply kernels/ggml/*.patch (apt-get install patch)"
+
 # The CPU features are part of the key: a cache or clone moved to another CPU rebuilds.
-key=$(printf '%s\n' "$SDIST_SHA256" "${flags[@]}" "$cpu_features" | sha256sum | cut -c1-16)
+key=$(printf '%s\n' "$SDIST_SHA256" "${flags[@]}" "$cpu_features" "$patch_set" | sha256sum | cut -c1-16)
 manifest="$prefix/manifest.json"
 
 lib_ready=0
@@ -184,6 +192,17 @@ if [ ! -f "$src/.extracted" ]; then
         || die "could not extract vendor/llama.cpp from $tarball"
     rm -f "$src/.git"   # a submodule pointer into a .git we do not have
     touch "$src/.extracted"
+fi
+pristine="$src"
+src="$cache/src-$SDIST_VERSION-patched-$patch_set"
+if [ ! -f "$src/.patched" ]; then
+    say "applying ${#patches[@]} patches from kernels/ggml/"
+    rm -rf "$src"; cp -a "$pristine" "$src"
+    for p in "${patches[@]}"; do
+        patch -p1 --batch --forward --silent -d "$src" <"$p" >"$cache/patch.log" 2>&1 \
+            || { cat "$cache/patch.log" >&2; rm -rf "$src"; die "$(basename "$p") does not apply to llama.cpp $LLAMA_COMMIT (see above); fix the patch or the pin"; }
+    done
+    touch "$src/.patched"
 fi
 
 # ---- configure, build, install -------------------------------------------------------
@@ -250,6 +269,9 @@ flags_json=$(printf '"%s",' "${flags[@]}"); flags_json="[${flags_json%,}]"
 features_json=""
 for f in $cpu_features; do features_json="$features_json\"$f\","; done
 features_json="[${features_json%,}]"
+patches_json=""
+for p in "${patches[@]}"; do patches_json="$patches_json\"$(basename "$p")\","; done
+patches_json="[${patches_json%,}]"
 built_on=$(grep -m1 '^model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ *//;s/"//g')
 cat >"$manifest" <<JSON
 {
@@ -265,6 +287,8 @@ cat >"$manifest" <<JSON
   "built_on": "$built_on",
   "build_flags": $flags_json,
   "build_key": "$key",
+  "patch_set": "$patch_set",
+  "patches": $patches_json,
   "llama_h_sha256": "$header_sha",
   "built_at": "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 }

@@ -138,8 +138,7 @@ def _fanout_local(args, model, document, specs, snapshot_in, doc_path) -> int:
     saved = []
     bar = _progress_bar(args)
     try:
-        result = run_fanout(model, document, specs, mode=args.mode, n_ctx=args.n_ctx,
-                            n_batch=args.n_batch, chat=not args.no_chat, kv_type=args.kv_type,
+        result = run_fanout(model, document, specs, _fanout_config(args), mode=args.mode,
                             snapshot_in=snapshot_in, progress=bar.update if bar else None,
                             snapshot_out=saved.append if args.snapshot_out else None,
                             cache=_prefix_cache(args))
@@ -160,6 +159,12 @@ def _fanout_local(args, model, document, specs, snapshot_in, doc_path) -> int:
     return 0
 
 
+def _fanout_config(args):
+    from .fanout import FanoutConfig
+    return FanoutConfig(n_ctx=args.n_ctx, n_batch=args.n_batch, chat=not args.no_chat,
+                        kv_type=args.kv_type, exact=args.exact)
+
+
 def _prefix_cache(args):
     """The prefix cache the flags ask for (None with --no-cache)."""
     from .prefix_cache import PrefixCache
@@ -175,7 +180,7 @@ def _fanout_ray(args, document, specs) -> int:
         raise errors.SwarmKVError("--ray cannot be combined with --snapshot-in/--snapshot-out/--mode")
     out = run_fanout_ray(str(catalog.resolve(args.model)), document, specs,
                          address=None if args.ray == "local" else args.ray, n_actors=args.ray_actors,
-                         n_ctx=args.n_ctx, n_batch=args.n_batch, chat=not args.no_chat, kv_type=args.kv_type)
+                         **_fanout_config(args).as_dict())
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -265,9 +270,15 @@ def cmd_cache(args) -> int:
     return 0
 
 
+def cmd_probe(args) -> int:
+    from . import probe
+    return probe.main(args.rest)
+
+
 def cmd_bench(args) -> int:
-    from .bench import conductor, fanout, peer
-    return {"fanout": fanout.main, "conductor": conductor.main, "peer": peer.main}[args.which](args.rest)
+    from .bench import conductor, exact, fanout, peer
+    mains = {"fanout": fanout.main, "conductor": conductor.main, "peer": peer.main, "exact": exact.main}
+    return mains[args.which](args.rest)
 
 
 def _add_model_args(p, *, max_tokens=64):
@@ -317,8 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fork by sharing KV cells (default) or by copying a snapshot")
     p.add_argument("--n-batch", type=int, default=512, help="prefill chunk size (default: 512)")
     p.add_argument("--kv-type", default="q8_0", choices=["q8_0", "f16", "f32", "q4_0"],
-                   help="KV cache type (default q8_0: half the memory of f16, and shared-mode "
-                        "branches match plain runs exactly on the CPU backend)")
+                   help="KV cache type (default q8_0: half the memory of f16)")
+    p.add_argument("--exact", action="store_true",
+                   help="batch-invariant kernels: every branch's tokens and logits equal a plain "
+                        "run's (one context, one token per decode) bit for bit, whatever the "
+                        "number of branches; CPU backend only, slower (see README, 'Exact mode')")
     p.add_argument("--no-chat", action="store_true",
                    help="plain 'document / Question: / Answer:' prompts instead of the chat template")
     p.add_argument("--snapshot-out", metavar="FILE", help="save the document's KV snapshot")
@@ -346,15 +360,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=cmd_cache)
 
-    p = sub.add_parser("bench", help="benchmarks: `swarmkv bench fanout|conductor|peer --help`")
-    p.add_argument("which", choices=["fanout", "conductor", "peer"], help="which benchmark")
+    # Its options are its own (swarmkv_ffi/probe.py); main() hands them over unparsed.
+    sub.add_parser("probe", help="find the first graph node whose result depends on the batch "
+                                 "(`swarmkv probe --help`)", add_help=False).set_defaults(func=cmd_probe)
+
+    p = sub.add_parser("bench", help="benchmarks: `swarmkv bench fanout|conductor|peer|exact --help`")
+    p.add_argument("which", choices=["fanout", "conductor", "peer", "exact"], help="which benchmark")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="its own options")
     p.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "probe":
+        args.rest = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging(args.verbose)
     try:
         return args.func(args)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from . import errors, library
+from . import errors, exact, library
 from ._owned import Owned
 from .batch import Batch
 from .library import ffi
@@ -29,7 +29,9 @@ class ContextParams:
 
     kv_unified: one KV buffer shared by all sequences (needed for seq_cp forks to share
     cells). swa_full: keep a full-size cache for sliding-window layers (needed when forked
-    sequences must see the whole shared prefix, e.g. Gemma 3).
+    sequences must see the whole shared prefix, e.g. Gemma 3). batch_invariant: compute
+    each token's row with kernels whose result does not depend on what else shares its
+    llama_decode (exact mode, see swarmkv_ffi/exact.py).
     """
     n_ctx: int = 2048
     n_batch: int = 512
@@ -42,6 +44,7 @@ class ContextParams:
     type_v: str = "f16"
     n_threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     n_threads_batch: int | None = None
+    batch_invariant: bool = False
 
     def validate(self) -> None:
         for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max", "n_threads"):
@@ -79,13 +82,23 @@ _DECODE_ERRORS = {
 class Context(Owned):
     """A llama_context. Create with `Context(model, ContextParams(...))` or keywords."""
 
-    def __init__(self, model: Model, params: ContextParams | None = None, **overrides):
+    def __init__(self, model: Model, params: ContextParams | None = None, *, eval_callback=None,
+                 **overrides):
+        """eval_callback(tensor, ask) -> bool: libllama's cb_eval, for tools that read graph
+        nodes (swarmkv_ffi.probe): asked (ask=True) whether a node is wanted, then called
+        (ask=False) with its computed data. It must not raise."""
         params = params or ContextParams()
         if overrides:
             params = ContextParams(**{**params.as_dict(), **overrides})
         lib = self._lib = library.backend()
         library.recent_errors()
-        handle = lib.llama_init_from_model(model.handle, params.to_c(lib))
+        c_params = params.to_c(lib)
+        self._eval_callback = None
+        if eval_callback is not None:  # kept on self: libllama calls it for the context's life
+            self._eval_callback = ffi.callback("ggml_backend_sched_eval_callback",
+                                               lambda t, ask, _: bool(eval_callback(t, ask)))
+            c_params.cb_eval = self._eval_callback
+        handle = lib.llama_init_from_model(model.handle, c_params)
         if handle == ffi.NULL:
             said = "; ".join(library.recent_errors()) or "no message from libllama"
             raise errors.ContextError(
@@ -96,6 +109,12 @@ class Context(Owned):
         self._n_vocab = model.n_vocab
         model._contexts.add(self)
         self._closed = False
+        if params.batch_invariant:
+            try:
+                exact.enable(lib, handle)
+            except BaseException:
+                self.close()
+                raise
 
     def _release(self) -> None:
         self._lib.llama_free(self._handle)

@@ -17,6 +17,7 @@ from dataclasses import asdict
 import numpy as np
 
 from .errors import SwarmKVError
+from .fanout.config import FanoutConfig
 
 try:
     import ray
@@ -34,11 +35,6 @@ def _require_ray():
     return ray
 
 
-def _plan_kwargs(opts: dict) -> dict:
-    keys = ("n_ctx", "n_batch", "headroom", "chat", "n_threads", "kv_type", "flash_attn")
-    return {k: opts[k] for k in keys if k in opts}
-
-
 def prefill_snapshot(model_path: str, document: str, specs: list[dict], opts: dict) -> np.ndarray:
     """Runs on one Ray worker: prefill the document once (copy mode's prefill, which hands
     its snapshot to snapshot_out); return the snapshot's file bytes."""
@@ -49,7 +45,7 @@ def prefill_snapshot(model_path: str, document: str, specs: list[dict], opts: di
     with Model(model_path) as model:
         # max_tokens=1 per branch: only the prefill and its snapshot matter here
         one = [BranchSpec(**{**s, "max_tokens": 1}) for s in specs[:1]]
-        run_fanout(model, document, one, mode="copy", snapshot_out=saved.append, **_plan_kwargs(opts))
+        run_fanout(model, document, one, mode="copy", snapshot_out=saved.append, **opts)
     return np.frombuffer(saved[0].to_bytes(), dtype=np.uint8)
 
 
@@ -70,7 +66,7 @@ class BranchWorker:
         snap = Snapshot.from_bytes(snapshot_bytes)  # raises SnapshotCorruptError on a bad checksum
         fetch_ms = (time.perf_counter_ns() - t) / 1e6
         result = run_fanout(self.model, document, [BranchSpec(**s) for s in specs], mode="shared",
-                            snapshot_in=snap, **_plan_kwargs(self.opts))
+                            snapshot_in=snap, **self.opts)
         out = []
         for b in result.branches:
             d = b.to_dict()
@@ -98,6 +94,7 @@ def run_fanout_ray(model_path: str, document: str, specs, *, address: str | None
         use_gpu = bool(r.cluster_resources().get("GPU", 0))
     resources = {"num_gpus": 1} if use_gpu else {"num_cpus": cpus_per_actor}
     opts.setdefault("n_threads", cpus_per_actor)
+    opts = FanoutConfig.of(**opts).as_dict()  # checked here, not on a worker
     t0 = time.perf_counter_ns()
 
     def ms() -> float:

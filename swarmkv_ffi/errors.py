@@ -61,6 +61,10 @@ class DecodeFailedError(DecodeError):
     """llama_decode returned < -1: a fatal compute error."""
 
 
+class ExactModeError(ContextError):
+    """Exact (batch-invariant) mode cannot be honoured by this library or backend."""
+
+
 class StateError(SwarmKVError):
     """Getting or setting KV state failed or moved an unexpected number of bytes."""
 

@@ -11,6 +11,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import exact
 from .batch import Batch
 from .context import Context
 from .sampler import Sampler
@@ -26,6 +27,7 @@ class Generation:
     first_token_ms: float = 0.0  # from the call to the first sampled token
     decode_ms: float = 0.0       # from the end of the prompt to the last token
     first_logits: np.ndarray | None = None  # logits the first token was sampled from
+    logit_digests: list[str] = field(default_factory=list)  # keep_first_logits: every sampled row's
     cancelled: bool = False      # should_stop() said so before the answer was complete
 
     @property
@@ -53,7 +55,8 @@ def generate(ctx: Context, prompt_tokens, *, max_tokens: int = 64, sampler: Samp
              should_stop: Callable[[], bool] | None = None) -> Generation:
     """Decode `prompt_tokens` at positions pos0…, then sample up to `max_tokens` tokens,
     stopping at end-of-generation. `on_text` receives text as it is produced; `should_stop`
-    is asked before each token and ends the loop early (Generation.cancelled)."""
+    is asked before each token and ends the loop early (Generation.cancelled).
+    keep_first_logits: keep the first row of logits, and a digest of every sampled row."""
     prompt = np.asarray(prompt_tokens, dtype=np.int32)
     if len(prompt) == 0:
         raise ValueError("generate needs at least one prompt token")
@@ -74,8 +77,10 @@ def generate(ctx: Context, prompt_tokens, *, max_tokens: int = 64, sampler: Samp
             if should_stop is not None and should_stop():
                 out.cancelled = True
                 break
-            if i == 0 and keep_first_logits:
-                out.first_logits = ctx.logits(row).copy()
+            if keep_first_logits:
+                if i == 0:
+                    out.first_logits = ctx.logits(row).copy()
+                out.logit_digests.append(exact.digest(ctx.logits(row)))
             token = sampler.sample(ctx, row)
             if i == 0:
                 out.first_token_ms = (time.perf_counter_ns() - t0) / 1e6

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _cdef
+from . import _cdef, exact
 from .arena import host_buffer
 from .context import Context
 from .errors import SnapshotCorruptError, SnapshotMismatchError
@@ -59,6 +59,10 @@ def params_signature(p, model) -> dict:
         "flash_attn": p.flash_attn,
         "n_stream": 1 if (p.kv_unified or p.n_seq_max == 1) else p.n_seq_max,
         "swa_full": p.swa_full if model.n_swa > 0 else None,  # only SWA models care
+        # KV bytes computed by the batch-invariant kernels round differently, and a patch
+        # set may change either mode's kernels: neither is silently mixed with the other.
+        "exact": bool(p.batch_invariant),
+        "patch_set": exact.patch_set(),
     }
 
 
@@ -145,10 +149,10 @@ class Snapshot:
                 f"snapshot made with model {h.model_name} (fingerprint {h.model_fingerprint}), "
                 f"target is {ctx.model.path.name} ({ctx.model.fingerprint})")
         want = context_signature(ctx)
-        for key, value in h.context.items():
-            if want.get(key) != value:
+        for key in {**h.context, **want}:
+            if want.get(key) != h.context.get(key):
                 raise SnapshotMismatchError(
-                    f"snapshot context {key}={value!r}, target context {key}={want.get(key)!r}")
+                    f"snapshot context {key}={h.context.get(key)!r}, target context {key}={want.get(key)!r}")
         if h.n_tokens > ctx.n_ctx_seq:
             raise SnapshotMismatchError(
                 f"snapshot holds {h.n_tokens} tokens, target context has n_ctx_seq={ctx.n_ctx_seq}")

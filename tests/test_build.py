@@ -155,3 +155,35 @@ def test_the_current_directory_is_never_searched_for_libllama(tmp_path, monkeypa
     monkeypatch.delenv(library.ENV_LIBRARY, raising=False)
     assert planted not in library.candidate_paths()
     assert library.find_library() != planted
+
+
+def test_manifest_lists_the_applied_patches(manifest):
+    names = sorted(p.name for p in (ROOT / "kernels" / "ggml").glob("*.patch"))
+    assert names and manifest["patches"] == names
+    assert len(manifest["patch_set"]) == 16
+
+
+def test_a_patch_that_does_not_apply_fails_the_build_clearly(tmp_path):
+    """A copy of the build script's world with one broken patch: the build stops before
+    configuring, names the patch, and installs nothing."""
+    root = tmp_path / "repo"
+    for part in ("build_llama.sh", "kernels", "tools", "swarmkv_ffi/cpu.py"):
+        dst = root / part
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if (ROOT / part).is_dir() else shutil.copy2)(ROOT / part, dst)
+    (root / "kernels/ggml/0099-broken.patch").write_text(
+        "--- a/include/llama.h\n+++ b/include/llama.h\n@@ -1,1 +1,1 @@\n-no such line here\n+nor here\n")
+    cache = tmp_path / "cache"
+    (cache / "sdist").mkdir(parents=True)
+    home_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "swarmkv-ffi"
+    tarballs = list((Path(os.environ.get("SWARMKV_CACHE") or home_cache) / "sdist").glob("*.tar.gz"))
+    assert tarballs, "the llama.cpp sdist is not in the build cache; run ./build_llama.sh first"
+    for tarball in tarballs:  # no download: the build's own cached copy
+        (cache / "sdist" / tarball.name).symlink_to(tarball)
+    out = subprocess.run(["bash", str(root / "build_llama.sh"), "--prefix", str(tmp_path / "prefix")],
+                         capture_output=True, text=True, env={**os.environ, "SWARMKV_CACHE": str(cache)},
+                         timeout=600)
+    assert out.returncode != 0
+    assert "0099-broken.patch does not apply" in out.stderr
+    assert not (tmp_path / "prefix").exists()
+    assert not list(cache.glob("build-*"))

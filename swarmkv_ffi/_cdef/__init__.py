@@ -8,8 +8,9 @@ from importlib.resources import files
 LLAMA_CPP_COMMIT = "0c1e570"
 #: sdist that carries those sources (sha256 checked by build_llama.sh).
 SOURCE = "llama-cpp-python==0.3.36"
-#: sha256 of the llama.h these declarations were copied from.
-LLAMA_H_SHA256 = "d5cf9203bea63b575e76cba4881f29cfd1b611451578b01582b75b72ecbb04bc"
+#: sha256 of the llama.h these declarations were copied from: the pinned header with
+#: kernels/ggml/0001-llama-set-batch-invariant.patch applied (build_llama.sh applies it).
+LLAMA_H_SHA256 = "7f45f9e2c8d192b5873c74fdb871af62e2b19f64b19ca734c72a0a3e092f0d5a"
 
 #: Names of the structs whose layout tests/test_cdef_layout.py checks against the header.
 CHECKED_STRUCTS = (
@@ -18,6 +19,7 @@ CHECKED_STRUCTS = (
     "struct llama_batch",
     "struct llama_sampler_chain_params",
     "struct llama_chat_message",
+    "struct ggml_tensor",
 )
 
 

@@ -20,6 +20,27 @@ enum ggml_backend_dev_type {
 typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
 typedef bool (*ggml_abort_callback)(void * data);
 typedef bool (*ggml_backend_sched_eval_callback)(struct ggml_tensor * t, bool ask, void * user_data);
+/* A graph node, as llama's eval callback (cb_eval) sees it: swarmkv_ffi.probe reads them. */
+enum ggml_op { GGML_OP_NONE = 0 };
+struct ggml_tensor {
+    enum ggml_type type;
+    struct ggml_backend_buffer * buffer;
+    int64_t ne[4];
+    size_t  nb[4];
+    enum ggml_op op;
+    int32_t op_params[16];
+    int32_t flags;
+    struct ggml_tensor * src[10];
+    struct ggml_tensor * view_src;
+    size_t view_offs;
+    void * data;
+    char name[64];
+    void * extra;
+    char padding[8];
+};
+size_t       ggml_nbytes(const struct ggml_tensor * tensor);
+const char * ggml_op_desc(const struct ggml_tensor * t);
+void         ggml_backend_tensor_get(const struct ggml_tensor * tensor, void * data, size_t offset, size_t size);
 typedef struct ggml_backend_device * ggml_backend_dev_t;
 typedef struct ggml_backend_buffer_type * ggml_backend_buffer_type_t;
 
@@ -158,6 +179,8 @@ uint32_t llama_n_batch    (const struct llama_context * ctx);
 uint32_t llama_n_ubatch   (const struct llama_context * ctx);
 uint32_t llama_n_seq_max  (const struct llama_context * ctx);
 int32_t  llama_n_threads  (struct llama_context * ctx);
+/* kernels/ggml/0001-llama-set-batch-invariant.patch (ours, not upstream) */
+bool     llama_set_batch_invariant(struct llama_context * ctx, bool on);
 llama_memory_t llama_get_memory(const struct llama_context * ctx);
 
 const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);

@@ -15,7 +15,8 @@ Timings are taken with time.perf_counter_ns, relative to the start of run_fanout
   decode_ms       from the first to the last generated token
 """
 from .baseline import run_baseline
+from .config import FanoutConfig
 from .engine import run_fanout
 from .plan import MODES, BranchResult, BranchSpec, FanoutResult, plan_fanout
 
-__all__ = ["MODES", "BranchResult", "BranchSpec", "FanoutResult", "plan_fanout", "run_baseline", "run_fanout"]
+__all__ = ["MODES", "BranchResult", "BranchSpec", "FanoutConfig", "FanoutResult", "plan_fanout", "run_baseline", "run_fanout"]

@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import time
 
-from ..budget import DEFAULT_HEADROOM
 from ..generate import generate
 from ..model import Model
+from .config import FanoutConfig
 from .plan import BranchResult, BranchSpec, FanoutResult, Plan, plan_fanout, prefill, record_generation
 
 
-def run_baseline(model: Model, document: str, specs: list[BranchSpec], *, n_ctx: int | None = None,
-                 n_batch: int = 512, headroom: int = DEFAULT_HEADROOM, chat: bool = True,
-                 n_threads: int | None = None, keep_logits: bool = False,
-                 kv_type: str = "q8_0", flash_attn: str = "on") -> FanoutResult:
-    """N independent agents, one after another. Nothing is shared."""
-    plan = plan_fanout(model, document, specs, n_ctx=n_ctx, n_batch=n_batch, headroom=headroom,
-                       chat=chat, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn)
+def run_baseline(model: Model, document: str, specs: list[BranchSpec],
+                 config: FanoutConfig | None = None, *, keep_logits: bool = False,
+                 **settings) -> FanoutResult:
+    """N independent agents, one after another. Nothing is shared. config / settings as
+    for run_fanout."""
+    plan = plan_fanout(model, document, specs, config, **settings)
     branches = [plain_branch(plan, i, keep_logits) for i in range(len(specs))]
     return FanoutResult(mode="baseline", model=model.path.name, n_prefix=plan.layout.n_prefix,
                         n_ctx=plan.n_ctx, prefill_ms=sum(b.prefill_ms for b in branches),

@@ -3,25 +3,27 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..budget import DEFAULT_HEADROOM
 from ..dag import Dag
 from ..model import Model
 from ..prefix_cache import PrefixCache
 from ..snapshot import Snapshot
+from .config import FanoutConfig
 from .copy import add_copy_nodes
 from .plan import MODES, BranchSpec, FanoutResult, check_snapshot_document, plan_fanout
 from .shared import run_shared
 
 
-def run_fanout(model: Model, document: str, specs: list[BranchSpec], *, mode: str = "shared",
-               n_ctx: int | None = None, n_batch: int = 512, headroom: int = DEFAULT_HEADROOM,
-               chat: bool = True, n_threads: int | None = None,
-               kv_type: str = "q8_0", flash_attn: str = "on",
+def run_fanout(model: Model, document: str, specs: list[BranchSpec],
+               config: FanoutConfig | None = None, *, mode: str = "shared",
                snapshot_in: Snapshot | None = None, snapshot_out: Callable[[Snapshot], None] | None = None,
                progress: Callable[[int, int], None] | None = None, keep_logits: bool = False,
                branch_workers: int = 1, serialize: bool = False,
-               timeout: float | None = 3600.0, cache: PrefixCache | bool | None = True) -> FanoutResult:
+               timeout: float | None = 3600.0, cache: PrefixCache | bool | None = True,
+               **settings) -> FanoutResult:
     """Answer every branch over one prefill of `document`.
+
+    config / settings: the context and prompt settings (FanoutConfig; keyword settings
+    such as n_batch=256 or exact=True override fields of `config`).
 
     cache: the prefix cache (True: the default folder, see prefix_cache.py; False or None:
     none). The longest cached start of the document is restored and only the rest is
@@ -29,14 +31,14 @@ def run_fanout(model: Model, document: str, specs: list[BranchSpec], *, mode: st
     cache boundaries, so the next run over it (or over an extension of it) skips that work.
     snapshot_in: reuse a snapshot of this document (its tokens must match) and skip the
     prefill. snapshot_out: called with the document's snapshot once the prefill is done.
-    progress(done, total): prefill progress in tokens. branch_workers: copy-mode branches
+    keep_logits: keep each branch's first logits, and a digest of the logits of every
+    sampled token (exact.digest). progress(done, total): prefill progress in tokens. branch_workers: copy-mode branches
     that may run at once (each in its own context). serialize: shared mode decodes the
     branches one at a time instead of together (to measure what batching buys).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    plan = plan_fanout(model, document, specs, n_ctx=n_ctx, n_batch=n_batch, headroom=headroom,
-                       chat=chat, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn)
+    plan = plan_fanout(model, document, specs, config, **settings)
     cache = PrefixCache() if cache is True else (cache or None)
     if snapshot_in is not None:
         check_snapshot_document(snapshot_in, plan.layout)

@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..batch import Batch
-from ..budget import DEFAULT_HEADROOM, check_budget
+from .. import exact
+from ..budget import check_budget
 from ..context import Context, ContextParams
 from ..dag import DagStopped
 from ..errors import SnapshotMismatchError
@@ -18,6 +19,7 @@ from ..model import Model
 from ..prompts import PromptLayout, layout
 from ..sampler import Sampler
 from ..snapshot import Snapshot, params_signature, tokens_hash
+from .config import FanoutConfig
 
 MODES = ("shared", "copy")
 
@@ -50,6 +52,7 @@ class BranchResult:
     decode_ms: float = 0.0
     tokens_per_s: float = 0.0
     first_logits: np.ndarray | None = field(default=None, repr=False)
+    logit_digests: list[str] = field(default_factory=list)  # keep_logits: exact.digest of each sampled row
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -84,16 +87,23 @@ class Plan:
     layout: PromptLayout
     specs: list[BranchSpec]
     watermarks: list[int]
-    n_ctx: int
-    n_batch: int
-    n_threads: int | None
-    swa_full: bool
+    n_ctx: int                            # resolved: config.n_ctx or sized from the layout
+    config: FanoutConfig
     t0: int
-    kv_type: str = "q8_0"
-    flash_attn: str = "on"
-    headroom: int = DEFAULT_HEADROOM
     capture_at: frozenset = frozenset()   # prefix lengths to snapshot for the prefix cache
     stop: threading.Event = field(default_factory=threading.Event)  # set when the run times out
+
+    @property
+    def n_batch(self) -> int:
+        return self.config.n_batch
+
+    @property
+    def headroom(self) -> int:
+        return self.config.headroom
+
+    @property
+    def exact(self) -> bool:
+        return self.config.exact
 
     def check_stop(self) -> None:
         """Give up between two decodes once the run has timed out."""
@@ -112,12 +122,15 @@ class Plan:
         return {**params_signature(self.params(self.n_ctx), self.model), "n_batch": self.n_batch}
 
     def params(self, n_ctx: int, n_seq_max: int = 1, n_batch: int | None = None) -> ContextParams:
-        params = ContextParams(n_ctx=n_ctx, n_batch=n_batch or self.n_batch,
-                               n_ubatch=min(self.n_batch, 512), n_seq_max=n_seq_max,
-                               kv_unified=True, swa_full=self.swa_full,
-                               type_k=self.kv_type, type_v=self.kv_type, flash_attn=self.flash_attn)
-        if self.n_threads:
-            params.n_threads = self.n_threads
+        c = self.config
+        # Forks see the whole shared prefix, so sliding-window layers keep a full cache.
+        params = ContextParams(n_ctx=n_ctx, n_batch=n_batch or c.n_batch,
+                               n_ubatch=min(c.n_batch, 512), n_seq_max=n_seq_max,
+                               kv_unified=True, swa_full=self.model.n_swa > 0,
+                               type_k=c.kv_type, type_v=c.kv_type, flash_attn=c.attention,
+                               batch_invariant=c.exact)
+        if c.n_threads:
+            params.n_threads = c.n_threads
         return params
 
     def result(self, i: int) -> BranchResult:
@@ -131,16 +144,17 @@ class Plan:
         return Sampler(temp=s.temp, top_p=s.top_p, seed=s.seed)
 
 
-def plan_fanout(model: Model, document: str, specs: list[BranchSpec], *, n_ctx: int | None = None,
-                n_batch: int = 512, headroom: int = DEFAULT_HEADROOM, chat: bool = True,
-                n_threads: int | None = None, kv_type: str = "q8_0", flash_attn: str = "on") -> Plan:
-    """Tokenize, place watermarks and check the budget: no context exists yet."""
+def plan_fanout(model: Model, document: str, specs: list[BranchSpec],
+                config: FanoutConfig | None = None, **settings) -> Plan:
+    """Tokenize, place watermarks and check the budget: no context exists yet.
+    settings: FanoutConfig fields, overriding `config`."""
     t0 = time.perf_counter_ns()
+    config = FanoutConfig.of(config, **settings)
     if not specs:
         raise ValueError("at least one branch is needed")
-    if n_batch < 1:
-        raise ValueError(f"n_batch must be >= 1, got {n_batch}")
-    lay = layout(model, document, [s.question for s in specs], chat=chat)
+    if config.exact:
+        exact.check_build()
+    lay = layout(model, document, [s.question for s in specs], chat=config.chat)
     watermarks = []
     for i, s in enumerate(specs):
         if s.max_tokens < 1:
@@ -150,10 +164,9 @@ def plan_fanout(model: Model, document: str, specs: list[BranchSpec], *, n_ctx: 
             raise ValueError(f"branch {i}: watermark {w} outside 1..{lay.n_prefix} (document tokens)")
         watermarks.append(w)
     max_branch = max(len(lay.suffixes[i]) + s.max_tokens for i, s in enumerate(specs))
-    n_ctx = n_ctx or round_up(lay.n_prefix + max_branch + headroom, 256)
-    check_budget(lay.n_prefix, max_branch, n_ctx, headroom)
-    return Plan(model, lay, list(specs), watermarks, n_ctx, n_batch, n_threads,
-                swa_full=model.n_swa > 0, t0=t0, kv_type=kv_type, flash_attn=flash_attn, headroom=headroom)
+    n_ctx = config.n_ctx or round_up(lay.n_prefix + max_branch + config.headroom, 256)
+    check_budget(lay.n_prefix, max_branch, n_ctx, config.headroom)
+    return Plan(model, lay, list(specs), watermarks, n_ctx, config, t0=t0)
 
 
 def check_snapshot_document(snap: Snapshot, lay: PromptLayout, partial: bool = False) -> None:
@@ -199,7 +212,7 @@ def record_generation(res: BranchResult, gen: Generation, setup_ms: float) -> Br
     res.activation_ms = setup_ms + gen.first_token_ms
     res.decode_ms = gen.decode_ms - (gen.first_token_ms - gen.prompt_ms)
     res.tokens_per_s = rate(len(gen.tokens), res.decode_ms)
-    res.first_logits = gen.first_logits
+    res.first_logits, res.logit_digests = gen.first_logits, gen.logit_digests
     return res
 
 

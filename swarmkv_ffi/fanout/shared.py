@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from .. import library
+from .. import exact, library
 from ..batch import Batch
 from ..errors import BudgetError
 from ..generate import TextStream
@@ -121,6 +121,8 @@ def run_shared(plan: Plan, snapshot_in, snapshot_out, progress, keep_logits, ser
 def sample(ctx, plan: Plan, b: _Live, live: list[_Live], keep_logits: bool) -> None:
     """Sample b's next token from its row of the last decode; retire b when it is done."""
     token = b.sampler.sample(ctx, b.row)
+    if keep_logits:
+        b.res.logit_digests.append(exact.digest(ctx.logits(b.row)))
     if not b.res.token_ids and not b.res.stopped_on_eog:
         b.first_at = plan.ms()
         b.res.activation_ms = b.first_at - b.res.ready_ms
@@ -128,7 +130,11 @@ def sample(ctx, plan: Plan, b: _Live, live: list[_Live], keep_logits: bool) -> N
             b.res.first_logits = ctx.logits(b.row).copy()
     if b.push(plan.model, token):
         b.finish(plan.ms())
-        ctx.seq_rm(b.seq)  # frees the branch's own cells; shared ones stay with seq 0
+        # Free the branch's own cells (shared ones stay with seq 0). Exact mode keeps them:
+        # reused cells would put other branches' later tokens before their earlier ones in
+        # cell order, which is the order flash attention sums in.
+        if not plan.exact:
+            ctx.seq_rm(b.seq)
         live.remove(b)
 
 

@@ -1,0 +1,171 @@
+"""Exact mode: every shared-mode branch equals a plain run, every logit bit for bit.
+
+The plain run is written here against Context and Batch, not through prefill() or
+generate(): one fresh exact context holding the document (prefilled once per model in
+n_batch chunks, then restored byte for byte into each plain run), the branch's prompt
+in one decode, then one token per llama_decode. Shared mode must reproduce its tokens
+and the digest of every row of logits it sampled from (exact.digest: raw float32
+bytes), for N in {1, 2, 3, 8, 16} over a document of more than 3,000 tokens, with
+branches that finish at different times; and with temperature sampling, fixed seeds.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from swarmkv_ffi import Context, ContextParams, exact
+from swarmkv_ffi.batch import Batch
+from swarmkv_ffi.errors import ExactModeError, SnapshotMismatchError
+from swarmkv_ffi.fanout import BranchSpec, FanoutConfig, plan_fanout, run_fanout
+from swarmkv_ffi.sampler import Sampler
+from swarmkv_ffi.snapshot import Snapshot
+
+N_BATCH = 512
+SIZES = (1, 2, 3, 8, 16)
+
+
+def long_document(n_clauses: int = 76) -> str:
+    """A contract of numbered clauses, every one different (76 clauses: > 3,000 tokens)."""
+    goods = ["valves", "pumps", "sensors", "cables", "filters", "gaskets", "motors", "meters"]
+    cities = ["Lisbon", "Gdansk", "Porto", "Tromso", "Bilbao", "Turku", "Split", "Cork"]
+    out = []
+    for i in range(n_clauses):
+        out.append(f"Clause {i + 1}. The supplier ships {17 * i % 400 + 20} {goods[i % 8]} to "
+                   f"{cities[(3 * i) % 8]} within {i % 29 + 2} days; a late delivery costs "
+                   f"{(i * 37) % 900 + 100} euros per day, capped at {(i % 7 + 1) * 5} percent.")
+    return "\n".join(out)
+
+
+DOC = long_document()
+QUESTIONS = [f"Summarise clause {c} and say what a late delivery costs." for c in
+             (3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 51, 59, 63, 67, 75)]
+
+
+def spec(i: int, sampled: bool) -> BranchSpec:
+    # Odd branches stop early (40 + i tokens), so branches finish at different steps.
+    n = 64 if i % 2 == 0 else 40 + i
+    if sampled:
+        return BranchSpec(QUESTIONS[i], max_tokens=n, temp=0.8, seed=1000 + i)
+    return BranchSpec(QUESTIONS[i], max_tokens=n)
+
+
+class Plain:
+    """Plain exact runs of one model: the document prefilled once, restored per branch."""
+
+    def __init__(self, model):
+        self.plan = plan_fanout(model, DOC, [spec(i, False) for i in range(16)], n_batch=N_BATCH, exact=True)
+        lay = self.plan.layout
+        assert lay.n_prefix > 3000, lay.n_prefix
+        with self.context() as ctx:
+            batch = Batch(N_BATCH)
+            for start in range(0, lay.n_prefix, N_BATCH):
+                batch.clear().add_sequence(lay.prefix[start:start + N_BATCH], start, 0, logits_last=False)
+                ctx.decode(batch)
+            self.document = Snapshot.capture(ctx, 0, lay.prefix)
+        self.cache: dict[tuple, tuple[list[int], list[str]]] = {}
+
+    def context(self) -> Context:
+        return Context(self.plan.model, ContextParams(
+            n_ctx=self.plan.n_ctx, n_batch=N_BATCH, n_ubatch=N_BATCH, swa_full=self.plan.model.n_swa > 0,
+            kv_unified=True, flash_attn="on", type_k="q8_0", type_v="q8_0", batch_invariant=True))
+
+    def run(self, s: BranchSpec, i: int) -> tuple[list[int], list[str]]:
+        """Branch i alone: its tokens and the digest of each row it sampled from."""
+        key = (i, s.temp, s.seed, s.max_tokens)
+        if key not in self.cache:
+            self.cache[key] = self._run(s, self.plan.layout.suffixes[i])
+        return self.cache[key]
+
+    def _run(self, s: BranchSpec, prompt) -> tuple[list[int], list[str]]:
+        model, n = self.plan.model, self.plan.layout.n_prefix
+        tokens, digests = [], []
+        with self.context() as ctx, Sampler(temp=s.temp, seed=s.seed) as sampler:
+            self.document.restore(ctx, 0)
+            batch = Batch(max(len(prompt), 1))
+            row = batch.add_sequence(prompt, n, 0, logits_last=True)
+            ctx.decode(batch)
+            pos = n + len(prompt)
+            while len(tokens) < s.max_tokens:
+                digests.append(exact.digest(ctx.logits(row)))
+                token = sampler.sample(ctx, row)
+                if model.is_eog(token):
+                    break
+                tokens.append(token)
+                batch.clear()
+                row = batch.add(token, pos, (0,), logits=True)
+                ctx.decode(batch)
+                pos += 1
+        return tokens, digests
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
+def plain(request, smol, gemma):
+    return Plain({"smollm2-135m": smol, "gemma3-270m": gemma}[request.param])
+
+
+def shared(plain: Plain, n: int, sampled: bool):
+    """Shared mode over the plain run's document snapshot (the prefill is tested apart)."""
+    return run_fanout(plain.plan.model, DOC, [spec(i, sampled) for i in range(n)], mode="shared",
+                      n_batch=N_BATCH, exact=True, keep_logits=True, cache=False,
+                      snapshot_in=plain.document)
+
+
+def assert_equal_to_plain(plain: Plain, res, sampled: bool) -> None:
+    for b in res.branches:
+        tokens, digests = plain.run(spec(b.index, sampled), b.index)
+        assert b.token_ids == tokens, f"branch {b.index}: tokens differ from the plain run"
+        assert b.logit_digests == digests, (
+            f"branch {b.index}: logits differ from the plain run at token "
+            f"{next(k for k, (x, y) in enumerate(zip(b.logit_digests, digests)) if x != y)}")
+
+
+def test_shared_branches_equal_plain_runs_bit_for_bit(plain):
+    lengths = {len(plain.run(spec(i, False), i)[0]) for i in range(16)}
+    assert len(lengths) > 1, "branches should finish at different times"
+    for n in SIZES:
+        res = shared(plain, n, sampled=False)
+        assert res.n_prefix > 3000
+        assert_equal_to_plain(plain, res, sampled=False)
+
+
+@pytest.mark.parametrize("n", [3, 16])
+def test_sampled_branches_equal_plain_runs(plain, n):
+    res = shared(plain, n, sampled=True)
+    assert_equal_to_plain(plain, res, sampled=True)
+
+
+def test_exact_prefill_equals_plain_prefill(plain):
+    """Shared mode's own prefill (in a context sized for 3 branches, with their prompts
+    batched after it) leaves the plain prefill's bytes. A 1,200-token start of the
+    document keeps it short: chunks of 512 and a partial last chunk are all there."""
+    doc = "\n".join(DOC.split("\n")[:28])
+    model = plain.plan.model
+    saved = []
+    run_fanout(model, doc, [spec(i, False) for i in range(3)], n_batch=N_BATCH, exact=True,
+               cache=False, snapshot_out=saved.append)
+    lay = plan_fanout(model, doc, [spec(0, False)], n_batch=N_BATCH, exact=True).layout
+    assert lay.n_prefix > 2 * N_BATCH
+    with plain.context() as ctx:
+        batch = Batch(N_BATCH)
+        for start in range(0, lay.n_prefix, N_BATCH):
+            batch.clear().add_sequence(lay.prefix[start:start + N_BATCH], start, 0, logits_last=False)
+            ctx.decode(batch)
+        alone = Snapshot.capture(ctx, 0, lay.prefix)
+    assert np.array_equal(saved[0].data, alone.data)
+
+
+def test_exact_snapshot_is_not_restored_into_a_fast_context(plain):
+    fast = ContextParams(**{**plain.context().params.as_dict(), "batch_invariant": False})
+    with Context(plain.plan.model, fast) as ctx, pytest.raises(SnapshotMismatchError, match="exact"):
+        plain.document.restore(ctx, 0)
+
+
+def test_exact_needs_flash_attention():
+    with pytest.raises(ValueError, match="flash attention"):
+        FanoutConfig.of(exact=True, flash_attn="off")
+
+
+def test_exact_refuses_an_amx_build(monkeypatch):
+    monkeypatch.setattr(exact.library, "read_manifest", lambda *_: {"amx": True})
+    with pytest.raises(ExactModeError, match="amx"):
+        exact.check_build()
