@@ -33,8 +33,10 @@ _lib = None
 _lib_path: Path | None = None
 _backend_ready = False
 _log_callback = None  # kept alive for as long as libllama may call it
-_recent_errors: deque[str] = deque(maxlen=8)
-_partial_line: list[str] = []
+# libllama logs on the thread that made the call, so each thread keeps its own error lines:
+# concurrent loads and decodes (lmxd, copy-mode workers, Ray actors) never read or clear
+# each other's messages.
+_thread_log = threading.local()
 
 
 def candidate_paths() -> list[Path]:
@@ -146,30 +148,42 @@ def _on_llama_log(level: int, text, _user_data) -> None:
     """
     try:
         piece = ffi.string(text).decode("utf-8", "replace")
+        mine = _this_thread()
         if level != 5:
-            _on_llama_log.level = _LEVELS.get(level, logging.DEBUG)
-        _partial_line.append(piece)
+            mine.level = _LEVELS.get(level, logging.DEBUG)
+        mine.partial.append(piece)
         if not piece.endswith("\n"):
             return
-        line = "".join(_partial_line).rstrip()
-        _partial_line.clear()
-        lvl = _on_llama_log.level
-        if lvl >= logging.ERROR:
-            _recent_errors.append(line)
-        log.log(lvl, "%s", line)
+        line = "".join(mine.partial).rstrip()
+        mine.partial.clear()
+        if mine.level >= logging.ERROR:
+            mine.errors.append(line)
+        log.log(mine.level, "%s", line)
     except Exception:  # a callback must never raise into C
         pass
 
 
-_on_llama_log.level = logging.DEBUG
+def _this_thread():
+    """This thread's log state: its last error lines, a line in pieces, its level."""
+    if not hasattr(_thread_log, "errors"):
+        _thread_log.errors, _thread_log.partial, _thread_log.level = deque(maxlen=8), [], logging.DEBUG
+    return _thread_log
 
 
 def recent_errors(clear: bool = True) -> list[str]:
-    """The last error lines libllama logged: the library's own words for our exceptions."""
-    out = list(_recent_errors)
+    """The last error lines libllama logged on this thread: the library's own words for
+    our exceptions."""
+    errors = _this_thread().errors
+    out = list(errors)
     if clear:
-        _recent_errors.clear()
+        errors.clear()
     return out
+
+
+def said(default: str = "") -> str:
+    """This thread's recent libllama error lines as one string (and forget them): what
+    every exception about a failed libllama call appends."""
+    return "; ".join(recent_errors()) or default
 
 
 def lib():

@@ -71,7 +71,7 @@ class Model(Owned):
         library.recent_errors()  # forget errors from earlier calls
         handle = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if handle == ffi.NULL:
-            said = "; ".join(library.recent_errors()) or "no message from libllama"
+            said = library.said("no message from libllama")
             raise ModelLoadError(
                 f"llama_model_load_from_file({self.path}) failed: {said}. "
                 "Is the file complete (not truncated) and a model architecture this "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from swarmkv_ffi import Batch, Context, Sampler, errors
+from swarmkv_ffi import Batch, Context, Model, Sampler, errors
 from swarmkv_ffi.generate import generate
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then the fox"
@@ -68,7 +68,9 @@ def test_model_facts(smol, gemma):
     assert (smol.n_layer, smol.n_embd, smol.n_swa) == (30, 576, 0)
     assert gemma.n_swa > 0 and gemma.n_layer == 18
     assert smol.size_bytes > 50e6 and smol.n_ctx_train >= 2048
-    assert smol.fingerprint == smol.fingerprint and smol.fingerprint != gemma.fingerprint
+    assert smol.fingerprint != gemma.fingerprint
+    with Model(smol.path) as again:  # the same file loaded again: the same fingerprint
+        assert again.fingerprint == smol.fingerprint
 
 
 def test_batch_matches_token_by_token(any_model):
@@ -208,3 +210,28 @@ def test_batch_capacity_checks():
         b.add(3, 2)
     with pytest.raises(ValueError, match="n_seq_max"):
         Batch(2, n_seq_max=1).add(1, 0, (0, 1))
+
+
+def test_libllama_error_lines_are_kept_per_thread():
+    """An error logged while one thread calls libllama is that thread's: another thread's
+    exception never shows it, and reading it does not clear the other's."""
+    import threading
+
+    from swarmkv_ffi import library
+    from swarmkv_ffi.library import _on_llama_log, ffi
+
+    library.recent_errors()
+    logged, seen = threading.Event(), {}
+
+    def failing_call():
+        _on_llama_log(4, ffi.new("char[]", b"llama_thing: failed to do it"), ffi.NULL)
+        _on_llama_log(5, ffi.new("char[]", b" (in two pieces)\n"), ffi.NULL)
+        logged.set()
+        seen["worker"] = library.said()
+
+    t = threading.Thread(target=failing_call)
+    t.start()
+    logged.wait(10)
+    seen["main"] = library.said("none here")
+    t.join(10)
+    assert seen == {"worker": "llama_thing: failed to do it (in two pieces)", "main": "none here"}

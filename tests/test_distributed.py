@@ -10,7 +10,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'swar
 from swarmkv_ffi import catalog, errors  # noqa: E402
 from swarmkv_ffi.distributed import BranchWorker, prefill_snapshot, run_fanout_ray  # noqa: E402
 from swarmkv_ffi.fanout import BranchSpec, run_fanout  # noqa: E402
-from test_fanout import DOC, QUESTIONS  # noqa: E402
+from corpus import DOC, QUESTIONS  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 OPTS = dict(n_batch=64)
@@ -37,7 +37,7 @@ def test_ray_branches_match_local_copy_mode(cluster, model_path, smol):
     local = run_fanout(smol, DOC, specs(), mode="copy", **OPTS)
     assert [b["token_ids"] for b in out["branches"]] == [b.token_ids for b in local.branches]
     assert out["n_actors"] == 2 and out["retries"] == 0
-    assert all(b["snapshot_fetch_ms"] >= 0 for b in out["branches"])
+    assert all(b["snapshot_fetch_ms"] > 0 for b in out["branches"])
 
 
 def test_corrupt_snapshot_is_rejected_on_arrival(cluster, model_path):

@@ -1,32 +1,24 @@
 """Fan-out fidelity: every forked branch says what a plain run says.
 
 Copy mode must be bit-identical to a plain run (same chunks, fresh context). Shared mode
-batches branches together, which may change floating-point sums: we measure and report
-that, and require the first token everywhere and >= 90 % identical 16-token answers.
+batches branches together: in exact mode it is bit-identical too (asserted, every logit of
+every token); in the fast default it may round differently, which we report, requiring
+only the first token everywhere (it is sampled before any branch decodes beside another).
+One anchor sits outside our own loops: a greedy decode of each branch's whole prompt in a
+single llama_decode, written here against Context.
 """
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from corpus import DOC, QUESTIONS
+from swarmkv_ffi import Batch, Context, exact
 from swarmkv_ffi.fanout import BranchSpec, run_baseline, run_fanout
 from swarmkv_ffi.prompts import layout
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-DOC = (EXAMPLES / "apache-2.0.txt").read_text()[:1400]  # ~280 tokens: several n_batch=64 chunks
-QUESTIONS = [
-    "What is this document?",
-    "Who is the Licensor?",
-    "What does Contribution mean?",
-    "What is a Derivative Work?",
-    "Define Source form.",
-    "What is Object form?",
-    "Who is a Contributor?",
-    "Which version of the license is this?",
-]
 RUN = dict(n_batch=64)
 FANOUT = dict(RUN, cache=False)  # these tests are about the fan-out's own prefill
 
@@ -69,20 +61,61 @@ def test_copy_mode_is_bit_identical_to_a_plain_run(any_model, baselines):
     assert out.prefill_ms > 0 and out.snapshot_bytes > 0
 
 
-def test_shared_mode_matches_plain_runs(any_model, baselines, record_property):
+def test_shared_mode_fast_default_agrees_on_first_tokens(any_model, baselines, record_property):
     base = baselines[any_model.path.name]
     out = run_fanout(any_model, DOC, specs(QUESTIONS), mode="shared", keep_logits=True, **FANOUT)
     diffs = [float(np.max(np.abs(g.first_logits - w.first_logits)))
              for g, w in zip(out.branches, base.branches)]
     same = sum(g.token_ids == w.token_ids for g, w in zip(out.branches, base.branches))
-    first_same = all(g.token_ids[:1] == w.token_ids[:1] for g, w in zip(out.branches, base.branches))
     record_property("max_first_token_logit_diff", max(diffs))
-    print(f"\n{any_model.path.name}: shared vs plain: max first-token logit diff {max(diffs):.3g}, "
+    record_property("identical_answers", f"{same}/{len(QUESTIONS)}")
+    print(f"\n{any_model.path.name}: fast shared vs plain: max first-token logit diff {max(diffs):.3g}, "
           f"{same}/{len(QUESTIONS)} identical 16-token answers")
-    assert first_same
-    assert same / len(QUESTIONS) >= 0.9
+    assert all(g.token_ids[:1] == w.token_ids[:1] for g, w in zip(out.branches, base.branches))
     assert all(b.fork_ms < 50 for b in out.branches)
     assert out.prefill_ms > 0
+
+
+def test_shared_mode_exact_equals_plain_runs_in_every_logit(any_model):
+    base = run_baseline(any_model, DOC, specs(QUESTIONS), keep_logits=True, exact=True, **RUN)
+    out = run_fanout(any_model, DOC, specs(QUESTIONS), mode="shared", keep_logits=True, exact=True, **FANOUT)
+    for g, w in zip(out.branches, base.branches):
+        assert g.token_ids == w.token_ids, f"branch {g.index}"
+        assert g.logit_digests == w.logit_digests and len(g.logit_digests) >= len(g.token_ids)
+
+
+def unchunked_greedy(model, tokens, n: int, exact_mode: bool) -> tuple[list[int], list[str]]:
+    """The whole prompt in one llama_decode, then one token per decode: no prefill(),
+    no generate(), no fan-out code."""
+    with Context(model, n_ctx=len(tokens) + n + 64, n_batch=len(tokens), n_ubatch=len(tokens),
+                 flash_attn="on", swa_full=True, batch_invariant=exact_mode) as ctx:
+        batch = Batch(len(tokens))
+        for pos, t in enumerate(tokens):
+            batch.add(int(t), pos, (0,), logits=pos == len(tokens) - 1)
+        ctx.decode(batch)
+        row, out, digests = batch.n_tokens - 1, [], []
+        for pos in range(len(tokens), len(tokens) + n):
+            logits = ctx.logits(row)
+            digests.append(exact.digest(logits))
+            token = int(np.argmax(logits))
+            if model.is_eog(token):
+                break
+            out.append(token)
+            batch.clear()
+            row = batch.add(token, pos, (0,), logits=True)
+            ctx.decode(batch)
+    return out, digests
+
+
+def test_exact_shared_mode_equals_an_unchunked_greedy_loop(any_model):
+    """Exact mode's result does not depend on chunking either: the fan-out's n_batch=64
+    prefill and batched branches give the logits of the prompt decoded all at once."""
+    lay = layout(any_model, DOC, QUESTIONS[:3], chat=True)
+    out = run_fanout(any_model, DOC, specs(QUESTIONS[:3]), mode="shared", keep_logits=True, exact=True, **FANOUT)
+    for i, b in enumerate(out.branches):
+        tokens, digests = unchunked_greedy(any_model, lay.full(i), 16, exact_mode=True)
+        assert b.token_ids == tokens, f"branch {i}"
+        assert b.logit_digests == digests[:len(b.logit_digests)]
 
 
 def test_branches_generate_real_answers(smol):
@@ -115,6 +148,11 @@ def test_sampling_settings_are_per_branch(smol):
     b = run_fanout(smol, DOC, sp, **FANOUT)
     assert a.branches[0].token_ids == b.branches[0].token_ids  # same seed, same draw
     assert a.branches[1].token_ids == b.branches[1].token_ids  # greedy
+    # The sampled branch really samples (a fixed draw, so this cannot flake): it leaves the
+    # greedy answer to the same question, and another seed draws otherwise.
+    assert a.branches[0].token_ids != a.branches[1].token_ids
+    other = run_fanout(smol, DOC, [BranchSpec("What is this document?", max_tokens=12, temp=0.9, seed=8)], **FANOUT)
+    assert other.branches[0].token_ids != a.branches[0].token_ids
 
 
 def test_invalid_specs_are_rejected(smol):

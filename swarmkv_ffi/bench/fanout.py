@@ -1,4 +1,4 @@
-"""Fan-out benchmark: the seed's method (baseline vs fan-out, best of N trials) and sweeps.
+"""Fan-out benchmark: baseline vs fan-out, best of N trials, and sweeps.
 
     baseline  N independent contexts, one after another, each prefilling the whole
               document then decoding its branch (nothing shared);
@@ -6,7 +6,7 @@
     copy      one prefill, snapshot, per-branch copy + fresh context + restore.
 
 Every mode runs in this process on the same model, document and n_ctx. Best trial: the
-one with the lowest shared-mode end-to-end time (the seed reported its best of 3).
+one with the lowest shared-mode end-to-end time (best of 3 by default).
 Outputs go into one folder: best_run.json, all_trials.csv, sweep_*.json and plots.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..catalog import DEFAULT_MODEL, resolve
-from ..fanout import BranchSpec, run_baseline, run_fanout
+from ..fanout import BranchSpec, FanoutConfig, run_baseline, run_fanout
 from ..model import Model
 from .measure import QUESTIONS, PeakRSS, cpu_name, document_of
 
@@ -40,7 +40,7 @@ class Config:
     model: str = DEFAULT_MODEL
     doc_tokens: int = 3500
     n_ctx: int | None = 4096
-    kv_type: str = "q8_0"
+    kv_type: str = FanoutConfig.kv_type
     n_batch: int = 512
     trials: int = 3
     out: str = "bench/results/latest"
@@ -71,7 +71,7 @@ def run_mode(model: Model, document: str, mode: str, n: int, gen: int, cfg: Conf
 
 
 def compare(runs: dict[str, dict]) -> dict:
-    """The seed's figures for one trial, from the baseline and the fan-out runs."""
+    """One trial's figures (speedups, activations, forks), from the baseline and the fan-out runs."""
     base = runs["baseline"]
     out = {"baseline_e2e_ms": base["total_ms"],
            "baseline_prefill_ms_per_agent": [b["prefill_ms"] for b in base["branches"]]}
@@ -144,7 +144,7 @@ def sweep_doc_length(model, cfg, lengths=(512, 1024, 2048, 3500, 8192)) -> list[
 
 def sweep_decode(model, document, cfg, n=16, gen=32) -> list[dict]:
     """Batched (one llama_decode per step for all branches) vs serialised (one branch per
-    decode, the original's global mutex): tokens/s of the decode loop, from the moment every
+    decode, as under one global mutex): tokens/s of the decode loop, from the moment every
     branch has its first token (all prompts done, in both schedules) to the last token, and
     of the whole generation phase (prompts included)."""
     rows = []
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=DEFAULT_MODEL, help="short name or .gguf path (default: %(default)s)")
     p.add_argument("--doc-tokens", type=int, default=3500, help="document length in tokens (default: 3500)")
     p.add_argument("--n-ctx", type=int, default=4096, help="context per branch (default: 4096)")
-    p.add_argument("--kv-type", default="q8_0", help="KV cache type (default: q8_0)")
+    p.add_argument("--kv-type", default=FanoutConfig.kv_type, help=f"KV cache type (default: {FanoutConfig.kv_type})")
     p.add_argument("--trials", type=int, default=3, help="trials per comparison (default: 3)")
     p.add_argument("--runs", default="2:1,8:32",
                    help="comparisons as N:gen_tokens pairs (default: 2:1,8:32, the targets)")

@@ -1,6 +1,6 @@
 """Agents, the one live compute context, and KV swap.
 
-Like the original, one context is live at a time. DECODE for agent B while agent A is
+One context is live at a time. DECODE for agent B while agent A is
 live: A's KV state is captured into a host-RAM snapshot and its context freed; B's
 context is created and B's saved state (if any) restored. Each agent's conversation
 persists across DECODEs, so an interrupted conversation continues exactly where it was.
@@ -21,7 +21,7 @@ from .. import catalog
 from ..context import Context
 from ..errors import ModelLoadError, ModelNotFoundError, SwarmKVError
 from ..generate import generate
-from ..snapshot import Snapshot
+from ..snapshot import Snapshot, tokens_hash
 from ..procmem import rss_bytes
 from .estimate import Estimate, estimate
 from .ledger import Ledger
@@ -65,6 +65,27 @@ class FifoLock:
             return max(0, len(self._queue) - 1)
 
 
+#: A paused prefix agent keeps no KV of its own when its tokens after the document are at
+#: most this many: it is rebuilt from the shared document and a re-decode of those tokens.
+REPLAY_MAX = 2048
+MAX_PREFIX_BYTES = 8 << 20
+
+
+@dataclass
+class SharedPrefix:
+    """A document that several agents of one model start from. Its KV is computed by the
+    first agent that needs it and kept once in host RAM (booked once to the swap budget),
+    for as long as one of its agents is registered."""
+    key: str
+    tokens: list[int]
+    snapshot: Snapshot | None = None
+    agents: set[str] = field(default_factory=set)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+
 @dataclass
 class Agent:
     id: str
@@ -81,6 +102,7 @@ class Agent:
     saved: Snapshot | None = None         # KV in host RAM while suspended
     history: list[int] = field(default_factory=list)   # tokens whose KV is in the state
     pending: int | None = None            # last generated token, not yet decoded
+    prefix: SharedPrefix | None = None    # the document it starts from (REGISTER prefix=)
 
     @property
     def tokens_in_context(self) -> int:
@@ -113,10 +135,14 @@ class Conductor:
         self.slot = FifoLock()
         self.live: tuple[Agent, Context] | None = None
         self.n_threads = n_threads
+        self.prefixes: dict[str, SharedPrefix] = {}
 
     # ---- REGISTER / UNREGISTER ------------------------------------------------------------
-    def register(self, agent_id: str, model: str, n_ctx: int = 2048, owner: int = -1) -> Agent:
-        """estimate → reserve → load → slot; any failure after the reservation undoes it."""
+    def register(self, agent_id: str, model: str, n_ctx: int = 2048, owner: int = -1,
+                 prefix: str | None = None) -> Agent:
+        """estimate → reserve → load → slot; any failure after the reservation undoes it.
+        prefix: a document the agent starts from, shared with every agent of the same model
+        over the same text (its KV is computed once, at the first DECODE that needs it)."""
         if not AGENT_ID.match(agent_id):
             raise ConductorError("BAD_REQUEST", "agent_id must be 1-64 of [A-Za-z0-9_.:-]")
         if not 256 <= n_ctx <= 1 << 20:
@@ -126,7 +152,14 @@ class Conductor:
                 raise ConductorError("DUPLICATE_AGENT", f"agent {agent_id} is already registered")
             self._pending.add(agent_id)
         try:
-            return self._register(agent_id, model, n_ctx, owner)
+            agent = self._register(agent_id, model, n_ctx, owner)
+            if prefix is not None:
+                try:
+                    self._attach_prefix(agent, prefix)
+                except BaseException:
+                    self.unregister(agent_id)
+                    raise
+            return agent
         finally:
             with self._lock:
                 self._pending.discard(agent_id)
@@ -147,6 +180,29 @@ class Conductor:
         with self._lock:
             self.agents[agent_id] = agent
         return agent
+
+    def _attach_prefix(self, agent: Agent, text: str) -> None:
+        tokens = [int(t) for t in agent.loaded.model.tokenize(text)]
+        if not tokens or len(tokens) + 16 > agent.n_ctx:
+            raise ConductorError("BAD_PREFIX", f"the prefix document is {len(tokens)} tokens; "
+                                 f"n_ctx={agent.n_ctx} leaves no room after it")
+        key = f"{agent.file.key}:{tokens_hash(tokens)}"
+        with self._lock:
+            shared = self.prefixes.setdefault(key, SharedPrefix(key, tokens))
+            shared.agents.add(agent.id)
+            agent.prefix = shared
+
+    def _release_prefix(self, agent: Agent) -> None:
+        shared = agent.prefix
+        if shared is None:
+            return
+        with self._lock:
+            shared.agents.discard(agent.id)
+            last = not shared.agents and self.prefixes.get(shared.key) is shared
+            if last:
+                del self.prefixes[shared.key]
+        if last:
+            self.swap.release(f"prefix:{shared.key}")
 
     def _admit(self, agent_id: str, mf: ModelFile, fd: int, est: Estimate, n_ctx: int) -> tuple[Loaded, int]:
         """reserve → load → measure → book what was measured, all within the budget; any
@@ -201,12 +257,14 @@ class Conductor:
             ctx.close()
         return max(1, used, kv_estimate)
 
-    def _new_context(self, loaded: Loaded, n_ctx: int) -> Context:
+    def _new_context(self, loaded: Loaded, n_ctx: int, exact: bool = False) -> Context:
         kw = {"n_threads": self.n_threads} if self.n_threads else {}
         # swa_full: a sliding-window model (Gemma 3) keeps every cell, so rolling a
         # conversation back after a cancel or a failure restores exactly what was there.
+        # exact (prefix agents): batch-invariant kernels, so re-decoding an agent's tokens
+        # in one batch rebuilds the very KV bytes they had when decoded one by one.
         return Context(loaded.model, n_ctx=n_ctx, n_batch=512, n_ubatch=512, flash_attn="on",
-                       swa_full=True, **kw)
+                       swa_full=True, batch_invariant=exact, **kw)
 
     def unregister(self, agent_id: str) -> Agent:
         with self.slot:  # never free a context in the middle of its decode
@@ -218,6 +276,7 @@ class Conductor:
                 self.live[1].close()
                 self.live = None
             self._drop_saved(agent)
+            self._release_prefix(agent)
         self.ledger.release(f"agent:{agent_id}")
         with self.registry.gate(agent.file.key):
             if self.registry.release(agent.file.key, agent_id):
@@ -317,7 +376,7 @@ class Conductor:
         evicted = None
         if self.live:
             other, ctx = self.live
-            if other.history:
+            if other.history and not self._replayable(other):
                 # Host RAM for the paused KV comes out of the swap budget, or nothing moves.
                 self.swap.reserve(f"swap:{other.id}", max(1, ctx.seq_state_size(0)))
                 try:
@@ -325,29 +384,60 @@ class Conductor:
                 except BaseException:
                     self.swap.release(f"swap:{other.id}")
                     raise
-            other.state = "suspended" if other.saved else "cold"
+            other.state = "suspended" if other.saved or (other.history and self._replayable(other)) else "cold"
             ctx.close()
             self.live, evicted = None, other.id
-        ctx = self._new_context(agent.loaded, agent.n_ctx)
+        ctx = self._new_context(agent.loaded, agent.n_ctx, exact=agent.prefix is not None)
         restored = False
-        if agent.saved is not None:
-            try:
+        try:
+            if agent.saved is not None:
                 agent.saved.restore(ctx, 0)
-            except BaseException:
-                ctx.close()
-                raise
-            self._drop_saved(agent)
-            restored = True
+                self._drop_saved(agent)
+                restored = True
+            elif agent.prefix is not None:
+                restored = self._start_from_prefix(agent, ctx)
+        except BaseException:
+            ctx.close()
+            raise
         agent.state = "active"
         self.live = (agent, ctx)
         return evicted, restored, ctx
+
+    def _replayable(self, agent: Agent) -> bool:
+        """A prefix agent whose KV can be rebuilt from the shared document plus a
+        re-decode of at most REPLAY_MAX tokens of its own: it needs no snapshot."""
+        p = agent.prefix
+        return (p is not None and p.snapshot is not None and agent.history[:p.n_tokens] == p.tokens
+                and len(agent.history) - p.n_tokens <= REPLAY_MAX)
+
+    def _start_from_prefix(self, agent: Agent, ctx: Context) -> bool:
+        """Load the shared document (computing it if no agent has yet), then re-decode the
+        agent's own tokens after it. Returns True when the document was restored."""
+        p = agent.prefix
+        if p.snapshot is None:
+            ctx.decode_tokens(p.tokens, logits_last=False)
+            snap = Snapshot.capture(ctx, 0, p.tokens)
+            self.swap.reserve(f"prefix:{p.key}", snap.nbytes)   # booked once, for all its agents
+            p.snapshot, restored = snap, False
+        else:
+            p.snapshot.restore(ctx, 0)
+            restored = True
+        if not agent.history:
+            agent.history = list(p.tokens)
+        elif len(agent.history) > p.n_tokens:
+            ctx.decode_tokens(agent.history[p.n_tokens:], p.n_tokens, logits_last=False)
+        return restored
 
     def reset(self, agent_id: str) -> None:
         with self.slot:
             agent = self.get(agent_id)
             agent.last_used = time.monotonic()
             if self.live and self.live[0] is agent:
-                self.live[1].clear()
+                if agent.prefix is not None:   # back to the document: the next DECODE reloads it
+                    self.live[1].close()
+                    self.live = None
+                else:
+                    self.live[1].clear()
             agent.history, agent.pending = [], None
             self._drop_saved(agent)
             agent.state = "active" if self.live and self.live[0] is agent else "cold"

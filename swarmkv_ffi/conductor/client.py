@@ -23,6 +23,13 @@ class LmxError(SwarmKVError):
         self.code, self.message = code, message
 
 
+def register_line(agent_id: str, model: str, n_ctx: int | None, prefix: str | None) -> str:
+    if prefix is not None and (not prefix or any(c.isspace() for c in prefix)):
+        raise ValueError(f"prefix path must be non-empty and without whitespace: {prefix!r}")
+    return (f"REGISTER {agent_id} {model}" + (f" n_ctx={n_ctx}" if n_ctx else "")
+            + (f" prefix={prefix}" if prefix else ""))
+
+
 class LmxClient:
     def __init__(self, path: str, timeout: float | None = 600.0):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -80,8 +87,9 @@ class LmxClient:
     def list(self) -> list[dict]:
         return [dict(_pairs(line[3:])) for line in self.request("LIST")["lines"] if line.startswith("OK agent_id=")]
 
-    def register(self, agent_id: str, model: str, n_ctx: int | None = None) -> dict:
-        return self.request(f"REGISTER {agent_id} {model}" + (f" n_ctx={n_ctx}" if n_ctx else ""))
+    def register(self, agent_id: str, model: str, n_ctx: int | None = None, prefix: str | None = None) -> dict:
+        """prefix: path (as the daemon sees it, no whitespace) of a document the agent starts from."""
+        return self.request(register_line(agent_id, model, n_ctx, prefix))
 
     def unregister(self, agent_id: str) -> dict:
         return self.request(f"UNREGISTER {agent_id}")
@@ -133,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("agent_id")
     r.add_argument("model")
     r.add_argument("--n-ctx", type=int)
+    r.add_argument("--prefix", metavar="PATH", help="a document the agent starts from (shared with "
+                   "other agents of the model over the same document; path as the daemon sees it)")
     for verb in ("unregister", "reset"):
         sub.add_parser(verb).add_argument("agent_id")
     d = sub.add_parser("decode")
@@ -148,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                 print("\n".join(c.raw(" ".join(args.line))))
                 return 0
             line = {"help": "HELP", "status": "STATUS", "list": "LIST",
-                    "register": f"REGISTER {getattr(args, 'agent_id', '')} {getattr(args, 'model', '')}"
-                                + (f" n_ctx={args.n_ctx}" if getattr(args, "n_ctx", None) else ""),
+                    "register": register_line(args.agent_id, args.model, args.n_ctx, args.prefix)
+                                if args.verb == "register" else "",
                     "unregister": f"UNREGISTER {getattr(args, 'agent_id', '')}",
                     "reset": f"RESET {getattr(args, 'agent_id', '')}",
                     "decode": f"DECODE {getattr(args, 'agent_id', '')} {getattr(args, 'max_tokens', '')} "

@@ -24,6 +24,7 @@ ERROR_CODES = {
     "VRAM_LEDGER_DENY": "code=CAP: the agent does not fit the memory budget (numbers follow)",
     "MODEL_LOAD_FAILED": "the model file or its context could not be loaded",
     "CONTEXT_FULL": "the conversation would exceed the agent's n_ctx; RESET it",
+    "BAD_PREFIX": "the prefix= document cannot be used: missing, not a readable regular file, not UTF-8, too big for n_ctx",
     "FORBIDDEN": "the connecting user may not use this daemon, or the agent belongs to another user",
     "BUSY": "the daemon serves its maximum number of clients; try again later",
     "CANCELLED": "the request was stopped before it finished (the client disconnected); nothing changed",
@@ -36,7 +37,10 @@ HELP = [
     "HELP                                   this text",
     "STATUS                                 ledger, live device memory, models, uptime",
     "LIST                                   one line per agent",
-    "REGISTER <agent_id> <model> [n_ctx=N]  admit an agent (model: short name or path)",
+    "REGISTER <agent_id> <model> [n_ctx=N] [prefix=PATH]",
+    "                                       admit an agent (model: short name or path); prefix:",
+    "                                       a UTF-8 document it starts from, read once and shared",
+    "                                       by every agent of that model over the same document",
     "UNREGISTER <agent_id>                  remove an agent, free its reservation",
     "DECODE <agent_id> <max_tokens> <prompt...>  continue the agent's conversation",
     "RESET <agent_id>                       clear the agent's conversation",
@@ -90,14 +94,14 @@ def parse(raw: bytes) -> Request:
         return Request(verb, {})
     if verb == "REGISTER":
         parts = rest.split()
-        if len(parts) not in (2, 3):
-            raise ProtocolError("BAD_REQUEST", "usage: REGISTER <agent_id> <model> [n_ctx=N]")
-        args = {"agent_id": parts[0], "model": parts[1], "n_ctx": 2048}
-        if len(parts) == 3:
-            key, eq, value = parts[2].partition("=")
-            if key != "n_ctx" or not eq:
-                raise ProtocolError("BAD_REQUEST", f"unknown option {parts[2][:32]!r} (only n_ctx=N)")
-            args["n_ctx"] = _int("n_ctx", value)
+        if not 2 <= len(parts) <= 4:
+            raise ProtocolError("BAD_REQUEST", "usage: REGISTER <agent_id> <model> [n_ctx=N] [prefix=PATH]")
+        args = {"agent_id": parts[0], "model": parts[1], "n_ctx": 2048, "prefix": None}
+        for option in parts[2:]:
+            key, eq, value = option.partition("=")
+            if key not in ("n_ctx", "prefix") or not eq or not value:
+                raise ProtocolError("BAD_REQUEST", f"unknown option {option[:32]!r} (n_ctx=N or prefix=PATH)")
+            args[key] = _int("n_ctx", value) if key == "n_ctx" else value
         return Request(verb, args)
     if verb in ("UNREGISTER", "RESET"):
         parts = rest.split()

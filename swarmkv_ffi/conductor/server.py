@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..errors import SwarmKVError
 from . import protocol
-from .agents import Conductor, ConductorError
+from .agents import MAX_PREFIX_BYTES, Conductor, ConductorError
 from .estimate import load_table
 from .ledger import Ledger, LedgerDenied
 from .memory import DeviceMemory
@@ -262,7 +262,8 @@ class Server:
         if "agent_id" in a and req.verb != "REGISTER":
             self._owned(a["agent_id"], uid)
         if req.verb == "REGISTER":
-            agent = c.register(a["agent_id"], a["model"], a["n_ctx"], owner=uid)
+            prefix = read_prefix(a["prefix"], uid) if a["prefix"] else None
+            agent = c.register(a["agent_id"], a["model"], a["n_ctx"], owner=uid, prefix=prefix)
             e = agent.estimate
             return protocol.ok("REGISTER", [
                 protocol.kv(estimate_bytes=e.total, weights_bytes=e.weights, kv_bytes=e.kv,
@@ -271,6 +272,9 @@ class Server:
                             measured_context_bytes=agent.measured_bytes,
                             model_refcount=agent.loaded.refs, shared_weights=agent.loaded.refs > 1),
                 protocol.kv(ledger_max_bytes=c.ledger.limit(), ledger_allocated_bytes=c.ledger.allocated),
+                protocol.kv(prefix=agent.prefix.key if agent.prefix else None,
+                            prefix_tokens=agent.prefix.n_tokens if agent.prefix else 0,
+                            prefix_agents=len(agent.prefix.agents) if agent.prefix else 0),
             ], agent_id=agent.id, model=str(agent.path), n_ctx=agent.n_ctx)
         if req.verb == "UNREGISTER":
             agent = c.unregister(a["agent_id"])
@@ -313,6 +317,9 @@ class Server:
         if self._sees_all(uid):
             for path, refs, measured in c.registry.snapshot():
                 lines.append("model " + protocol.kv(path=path, refcount=refs, measured_bytes=measured))
+            for p in list(c.prefixes.values()):
+                lines.append("prefix " + protocol.kv(key=p.key, tokens=p.n_tokens, agents=len(p.agents),
+                                                     host_bytes=p.snapshot.nbytes if p.snapshot else 0))
         for agent in self._visible(uid):
             lines.append(protocol.kv(agent=agent.id, estimate_bytes=agent.estimate.total,
                                      actual_bytes=agent.measured_bytes + agent.loaded.measured_bytes))
@@ -322,9 +329,38 @@ class Server:
         c = self.conductor
         lines = [protocol.kv(agent_id=a.id, model=a.model_name, reserved_bytes=c.ledger.held(f"agent:{a.id}"),
                              state=a.state, kv_host_bytes=a.saved.nbytes if a.saved else 0,
-                             tokens=a.tokens_in_context, n_ctx=a.n_ctx)
+                             tokens=a.tokens_in_context, n_ctx=a.n_ctx,
+                             prefix=a.prefix.key if a.prefix else None,
+                             prefix_host_bytes=a.prefix.snapshot.nbytes if a.prefix and a.prefix.snapshot else 0)
                  for a in self._visible(uid)]
         return protocol.ok("LIST", lines, agents=len(lines))
+
+
+def read_prefix(path: str, uid: int) -> str:
+    """The text of a REGISTER prefix= document, read by the daemon on behalf of `uid`: only
+    a regular file that user may read (owner with read permission, or world-readable),
+    opened without following a final symlink, at most MAX_PREFIX_BYTES of UTF-8."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ConductorError("BAD_PREFIX", f"cannot open {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConductorError("BAD_PREFIX", f"{path} is not a regular file")
+        may_read = uid == 0 or st.st_mode & stat.S_IROTH or (st.st_uid == uid and st.st_mode & stat.S_IRUSR)
+        if not may_read:
+            raise ConductorError("FORBIDDEN", f"{path}: the connecting user may not read it")
+        if st.st_size > MAX_PREFIX_BYTES:
+            raise ConductorError("BAD_PREFIX", f"{path} is {st.st_size} bytes; the limit is {MAX_PREFIX_BYTES}")
+        with open(fd, "rb", closefd=False) as f:
+            raw = f.read(MAX_PREFIX_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConductorError("BAD_PREFIX", f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
 
 
 def default_swap_budget() -> int:

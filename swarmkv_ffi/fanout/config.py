@@ -24,7 +24,7 @@ class FanoutConfig:
     headroom: int = DEFAULT_HEADROOM
     chat: bool = True
     n_threads: int | None = None
-    kv_type: str = "q8_0"
+    kv_type: str = "f16"        # chosen by measurement: bench/results/*/defaults/ and README
     flash_attn: str = "on"
     exact: bool = False
 

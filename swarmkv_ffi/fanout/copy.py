@@ -1,4 +1,4 @@
-"""Copy mode: the seed's path, and the one that crosses contexts, processes and disks.
+"""Copy mode: snapshot bytes restored per branch; the path that crosses contexts, processes and disks.
 
 prefill (one context) ─▶ snapshot at every watermark (a gate) ─▶ per branch: copy the
 bytes, restore into a fresh context, decode the branch prompt at positions W…, generate.

@@ -82,7 +82,7 @@ def run_shared(plan: Plan, snapshot_in, snapshot_out, progress, keep_logits, ser
                 live.append(fork(ctx, plan, waiting.pop(0), results, ready_at))
             stop = next(stops) if done < n else done
             # One decode for the prefill chunk and every branch; serialize=True decodes them
-            # one after another instead (the original's global-mutex behaviour, for benchmarks).
+            # one after another instead (as if one global mutex held every decode; for benchmarks).
             groups = [[None] + live] if not serialize else [[None]] + [[b] for b in live]
             for group in groups:
                 batch.clear()

@@ -9,7 +9,7 @@ each layer against NumPy, serial against overlapped, and the issued schedule aga
 CUDA's ordering rules. Any failure exits 1.
 
 --balance also runs a second configuration whose compute_iters is measured so a layer's
-kernel takes as long as its copy (within 10 %): the case overlap exists for. At the seed's
+kernel takes as long as its copy (within 10 %): the case overlap exists for. At the
 defaults a 64 MiB copy on a PCIe 5 GPU takes ~25x the kernel, capping the speedup near 1.04x.
 """
 from __future__ import annotations
