@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from plain import one_token_per_decode
 from swarmkv_ffi import Context, ContextParams, exact
 from swarmkv_ffi.batch import Batch
 from swarmkv_ffi.errors import ExactModeError, SnapshotMismatchError
@@ -77,25 +78,13 @@ class Plain:
         return self.cache[key]
 
     def _run(self, s: BranchSpec, prompt) -> tuple[list[int], list[str]]:
-        model, n = self.plan.model, self.plan.layout.n_prefix
-        tokens, digests = [], []
+        n = self.plan.layout.n_prefix
         with self.context() as ctx, Sampler(temp=s.temp, seed=s.seed) as sampler:
             self.document.restore(ctx, 0)
             batch = Batch(max(len(prompt), 1))
             row = batch.add_sequence(prompt, n, 0, logits_last=True)
             ctx.decode(batch)
-            pos = n + len(prompt)
-            while len(tokens) < s.max_tokens:
-                digests.append(exact.digest(ctx.logits(row)))
-                token = sampler.sample(ctx, row)
-                if model.is_eog(token):
-                    break
-                tokens.append(token)
-                batch.clear()
-                row = batch.add(token, pos, (0,), logits=True)
-                ctx.decode(batch)
-                pos += 1
-        return tokens, digests
+            return one_token_per_decode(ctx, batch, row, n + len(prompt), s.max_tokens, sampler.sample)
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from corpus import DOC, QUESTIONS
-from swarmkv_ffi import Batch, Context, exact
+from plain import one_token_per_decode
+from swarmkv_ffi import Batch, Context
 from swarmkv_ffi.fanout import BranchSpec, run_baseline, run_fanout
 from swarmkv_ffi.prompts import layout
 
@@ -93,18 +94,8 @@ def unchunked_greedy(model, tokens, n: int, exact_mode: bool) -> tuple[list[int]
         for pos, t in enumerate(tokens):
             batch.add(int(t), pos, (0,), logits=pos == len(tokens) - 1)
         ctx.decode(batch)
-        row, out, digests = batch.n_tokens - 1, [], []
-        for pos in range(len(tokens), len(tokens) + n):
-            logits = ctx.logits(row)
-            digests.append(exact.digest(logits))
-            token = int(np.argmax(logits))
-            if model.is_eog(token):
-                break
-            out.append(token)
-            batch.clear()
-            row = batch.add(token, pos, (0,), logits=True)
-            ctx.decode(batch)
-    return out, digests
+        return one_token_per_decode(ctx, batch, len(tokens) - 1, len(tokens), n,
+                                    lambda c, row: int(np.argmax(c.logits(row))))
 
 
 def test_exact_shared_mode_equals_an_unchunked_greedy_loop(any_model):
