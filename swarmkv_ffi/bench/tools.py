@@ -4,8 +4,9 @@ Same pinned source, same flags (`./build_llama.sh --tools`), same model, same th
 process run, one after another:
   prefill     llama-bench -p P (flash attention on and off, f16 KV; its best) vs our
               prefill of a P-token document in 512-token chunks (our defaults)
-  decode      llama-batched-bench -npp P -ntg G -npl N -pps (the prompt shared by the N
-              sequences, as in our fan-out) vs our shared mode's decode tokens/s at N
+  decode      llama-batched-bench -npp P -ntg G -npl N -pps -kvu (the prompt shared by
+              the N sequences in one unified KV cache, as in our fan-out) vs our shared
+              mode's decode tokens/s at N
               (generated tokens / time after the prefill, answers forced to G tokens)
 
     python bench/tools.py --tokens 1565 --n 16 --gen 32 --out bench/results/latest/tools.json
@@ -40,11 +41,13 @@ def run_json_lines(cmd: list[str]) -> list[dict]:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise SystemExit(f"{cmd[0]} failed ({out.returncode}): {out.stderr[-2000:]}")
-    rows = []
-    for line in out.stdout.splitlines():
+    rows = []  # llama-bench prints its rows on stdout, llama-batched-bench through its log (stderr)
+    for line in (out.stdout + "\n" + out.stderr).splitlines():
         line = line.strip()
         if line.startswith("{"):
             rows.append(json.loads(line))
+    if not rows:
+        raise SystemExit(f"{cmd[0]} printed no JSON rows: {out.stderr[-2000:]}")
     return rows
 
 
@@ -56,7 +59,7 @@ def llama_bench_prefill(model: Path, p: int, threads: int) -> dict:
 
 def batched_bench(model: Path, p: int, g: int, n: int, threads: int) -> dict:
     rows = run_json_lines([str(tool("llama-batched-bench")), "-m", str(model), "-c", str(p + n * (g + 8) + 64),
-                           "-b", "512", "-ub", "512", "-npp", str(p), "-ntg", str(g), "-npl", str(n), "-pps",
+                           "-b", "512", "-ub", "512", "-npp", str(p), "-ntg", str(g), "-npl", str(n), "-pps", "-kvu",
                            "-fa", "on", "-t", str(threads), "--output-format", "jsonl"])
     return rows[-1]
 

@@ -18,6 +18,7 @@ from ..generate import Generation
 from ..model import Model
 from ..prompts import PromptLayout, layout
 from ..sampler import Sampler
+from ..prefix_cache import TAIL
 from ..snapshot import Snapshot, params_signature, tokens_hash
 from .config import FanoutConfig
 
@@ -184,9 +185,15 @@ def round_up(n: int, k: int) -> int:
 
 
 def prefill_stops(plan: Plan) -> list[int]:
-    """Chunk boundaries: every n_batch tokens, at every watermark and cache point."""
+    """Chunk boundaries: every n_batch tokens, at every watermark and cache point, and
+    always TAIL tokens before the end (a prefix-cache point). Outside exact mode the
+    kernels round differently for other chunkings, so a run that fills the cache must chunk
+    like one that does not: then a restored document holds the bytes a cache-off run
+    computes."""
     n = plan.layout.n_prefix
     stops = set(range(plan.n_batch, n, plan.n_batch)) | set(plan.watermarks) | set(plan.capture_at) | {n}
+    if n > 2 * TAIL:
+        stops.add(n - TAIL)
     return sorted(stops)
 
 
