@@ -68,7 +68,8 @@ class Plain:
     def context(self) -> Context:
         return Context(self.plan.model, ContextParams(
             n_ctx=self.plan.n_ctx, n_batch=N_BATCH, n_ubatch=N_BATCH, swa_full=self.plan.model.n_swa > 0,
-            kv_unified=True, flash_attn="on", type_k="q8_0", type_v="q8_0", batch_invariant=True))
+            kv_unified=True, flash_attn="on", type_k=self.plan.config.kv_type,
+            type_v=self.plan.config.kv_type, batch_invariant=True))
 
     def run(self, s: BranchSpec, i: int) -> tuple[list[int], list[str]]:
         """Branch i alone: its tokens and the digest of each row it sampled from."""
