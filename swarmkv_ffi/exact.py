@@ -33,14 +33,9 @@ import numpy as np
 
 from . import errors, library
 
-#: The context settings exact mode needs (see the module docstring for why).
-FLASH_ATTN = "on"
-
-
 def check_build() -> None:
     """Refuse a libllama that cannot give the guarantee, before any context exists."""
-    manifest = library.read_manifest(library.library_path()) or {}
-    if manifest.get("amx"):
+    if library.manifest().get("amx"):
         raise errors.ExactModeError(
             "exact mode is not available on a --amx build: ggml's AMX matmul is not "
             "batch-invariant. Rebuild with ./build_llama.sh (AMX off by default).")
@@ -63,7 +58,7 @@ def enable(lib, ctx_handle) -> None:
 
 def patch_set() -> str | None:
     """The build's patch-set id (from the manifest): part of what a snapshot is valid for."""
-    return (library.read_manifest(library.library_path()) or {}).get("patch_set")
+    return library.manifest().get("patch_set")
 
 
 def digest(logits: np.ndarray) -> str:

@@ -31,6 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 _lock = threading.Lock()
 _lib = None
 _lib_path: Path | None = None
+_manifest: dict = {}         # the loaded library's manifest.json, read once at load
 _backend_ready = False
 _log_callback = None  # kept alive for as long as libllama may call it
 # libllama logs on the thread that made the call, so each thread keeps its own error lines:
@@ -188,7 +189,7 @@ def said(default: str = "") -> str:
 
 def lib():
     """The loaded libllama (loading, checking and initialising it on first use)."""
-    global _lib, _lib_path, _log_callback
+    global _lib, _lib_path, _log_callback, _manifest
     if _lib is not None:
         return _lib
     with _lock:
@@ -202,9 +203,16 @@ def lib():
                 raise LibraryNotFoundError(f"could not load {path}: {exc}") from exc
             _log_callback = ffi.callback("ggml_log_callback", _on_llama_log)
             handle.llama_log_set(_log_callback, ffi.NULL)
-            _lib_path = path
+            _lib_path, _manifest = path, read_manifest(path) or {}
             _lib = handle
     return _lib
+
+
+def manifest() -> dict:
+    """The loaded library's build manifest ({} for a build without one), read once: the
+    files beside a loaded library do not change what was loaded."""
+    lib()
+    return _manifest
 
 
 def library_path() -> Path:

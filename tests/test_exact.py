@@ -156,6 +156,6 @@ def test_exact_needs_flash_attention():
 
 
 def test_exact_refuses_an_amx_build(monkeypatch):
-    monkeypatch.setattr(exact.library, "read_manifest", lambda *_: {"amx": True})
+    monkeypatch.setattr(exact.library, "manifest", lambda: {"amx": True})
     with pytest.raises(ExactModeError, match="amx"):
         exact.check_build()

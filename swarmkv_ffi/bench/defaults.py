@@ -28,10 +28,12 @@ from .measure import QUESTIONS, cpu_name, document_of, report_json
 CANDIDATES = [("q8_0", "on"), ("f16", "on"), ("f16", "off")]
 
 
-def single_sequence(model: Model, tokens, kv: str, fa: str) -> dict:
+def single_sequence(model: Model, tokens, kv: str, fa: str, n_threads: int | None = None) -> dict:
     """Prefill tokens/s, then 16 single-token decodes/s at that depth."""
     params = ContextParams(n_ctx=len(tokens) + 64, n_batch=512, n_ubatch=512, flash_attn=fa,
                            type_k=kv, type_v=kv)
+    if n_threads:
+        params.n_threads = n_threads
     with Context(model, params) as ctx:
         t = time.perf_counter()
         ctx.decode_tokens(tokens, logits_last=False)

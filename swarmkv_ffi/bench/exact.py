@@ -19,7 +19,7 @@ from pathlib import Path
 from ..catalog import DEFAULT_MODEL, resolve
 from ..fanout import BranchSpec, FanoutConfig, run_fanout
 from ..model import Model
-from .measure import QUESTIONS, cpu_name, document_of, report_json
+from .measure import QUESTIONS, cpu_name, decode_tps, document_of, report_json
 
 
 def first_difference(a: list[str], b: list[str]) -> int | None:
@@ -40,12 +40,6 @@ def fidelity(shared, plain) -> dict:
                                "first_token_diff_at": first_difference([str(t) for t in s.token_ids],
                                                                        [str(t) for t in p.token_ids])}
     return {"branches": len(shared.branches), "equal": len(shared.branches) - len(parted), "differ": parted}
-
-
-def decode_tps(res) -> float:
-    """Generated tokens per second of the whole run after the prefill."""
-    tokens = sum(len(b.token_ids) for b in res.branches)
-    return tokens / ((res.total_ms - res.prefill_ms) / 1e3)
 
 
 def run_mode(model: Model, document: str, specs: list[BranchSpec], config: FanoutConfig) -> dict:

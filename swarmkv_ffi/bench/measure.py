@@ -51,6 +51,12 @@ def document_of(model, n_tokens: int, source: str | None = None) -> str:
     return model.detokenize(np.tile(tokens, repeats)[:n_tokens])
 
 
+def decode_tps(res) -> float:
+    """A fan-out's generated tokens per second after its prefill (branch prompts included)."""
+    tokens = sum(len(b.token_ids) for b in res.branches)
+    return tokens / ((res.total_ms - res.prefill_ms) / 1e3)
+
+
 def cpu_name() -> str:
     """A folder-friendly name of this machine's CPU."""
     name = platform.processor() or platform.machine()

@@ -18,15 +18,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from .. import library
 from ..catalog import DEFAULT_MODEL, resolve
-from ..context import Context, ContextParams
 from ..fanout import BranchSpec, FanoutConfig, run_fanout
 from ..model import Model
-from .measure import QUESTIONS, cpu_name, document_of, report_json
+from .defaults import single_sequence
+from .measure import QUESTIONS, cpu_name, decode_tps, document_of, report_json
 
 
 def tool(name: str) -> Path:
@@ -64,20 +63,10 @@ def batched_bench(model: Path, p: int, g: int, n: int, threads: int) -> dict:
     return rows[-1]
 
 
-def our_prefill(model: Model, tokens, threads: int) -> float:
-    params = ContextParams(n_ctx=len(tokens) + 64, n_batch=512, n_ubatch=512, flash_attn=FanoutConfig.flash_attn,
-                           type_k=FanoutConfig.kv_type, type_v=FanoutConfig.kv_type, n_threads=threads)
-    with Context(model, params) as ctx:
-        t = time.perf_counter()
-        ctx.decode_tokens(tokens, logits_last=False)
-        return len(tokens) / (time.perf_counter() - t)
-
-
 def our_decode(model: Model, document: str, n: int, g: int, threads: int) -> dict:
     specs = [BranchSpec(QUESTIONS[i % len(QUESTIONS)], max_tokens=g) for i in range(n)]
     res = run_fanout(model, document, specs, n_threads=threads, cache=False)
-    generated = sum(len(b.token_ids) for b in res.branches)
-    return {"generated": generated, "decode_tps": generated / ((res.total_ms - res.prefill_ms) / 1e3),
+    return {"generated": sum(len(b.token_ids) for b in res.branches), "decode_tps": decode_tps(res),
             "total_ms": res.total_ms, "prefill_ms": res.prefill_ms}
 
 
@@ -94,7 +83,8 @@ def main(argv=None) -> int:
     with Model(path) as model:
         document = document_of(model, args.tokens)
         tokens = model.tokenize(document)
-        ours_pp = our_prefill(model, tokens, args.threads)
+        ours_pp = single_sequence(model, tokens, FanoutConfig.kv_type, FanoutConfig.flash_attn,
+                                  args.threads)["pp_tps"]
         ours_tg = our_decode(model, document, args.n, args.gen, args.threads)
     peer_pp = llama_bench_prefill(path, len(tokens), args.threads)
     peer_tg = batched_bench(path, len(tokens), args.gen, args.n, args.threads)

@@ -376,7 +376,8 @@ class Conductor:
         evicted = None
         if self.live:
             other, ctx = self.live
-            if other.history and not self._replayable(other):
+            replayable = bool(other.history) and self._replayable(other)
+            if other.history and not replayable:
                 # Host RAM for the paused KV comes out of the swap budget, or nothing moves.
                 self.swap.reserve(f"swap:{other.id}", max(1, ctx.seq_state_size(0)))
                 try:
@@ -384,7 +385,7 @@ class Conductor:
                 except BaseException:
                     self.swap.release(f"swap:{other.id}")
                     raise
-            other.state = "suspended" if other.saved or (other.history and self._replayable(other)) else "cold"
+            other.state = "suspended" if other.saved or replayable else "cold"
             ctx.close()
             self.live, evicted = None, other.id
         ctx = self._new_context(agent.loaded, agent.n_ctx, exact=agent.prefix is not None)

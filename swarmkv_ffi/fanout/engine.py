@@ -32,8 +32,8 @@ def run_fanout(model: Model, document: str, specs: list[BranchSpec],
     snapshot_in: reuse a snapshot of this document (its tokens must match) and skip the
     prefill. snapshot_out: called with the document's snapshot once the prefill is done.
     keep_logits: keep each branch's first logits, and a digest of the logits of every
-    sampled token (exact.digest). progress(done, total): prefill progress in tokens. branch_workers: copy-mode branches
-    that may run at once (each in its own context). serialize: shared mode decodes the
+    sampled token (exact.digest). progress(done, total): prefill progress in tokens.
+    branch_workers: copy-mode branches that may run at once (each in its own context). serialize: shared mode decodes the
     branches one at a time instead of together (to measure what batching buys).
     """
     if mode not in MODES:
