@@ -19,8 +19,11 @@ from .batch import Batch
 from .library import ffi
 from .model import Model
 
-KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
-FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+# Values come from the cdef's enums (checked against llama.h by tests/test_cdef_layout.py).
+KV_TYPES = {name: library.enum("ggml_type")[f"GGML_TYPE_{name.upper()}"]
+            for name in ("f32", "f16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "bf16")}
+FLASH_ATTN = {name: library.enum("llama_flash_attn_type")[f"LLAMA_FLASH_ATTN_TYPE_{c}"]
+              for name, c in (("auto", "AUTO"), ("off", "DISABLED"), ("on", "ENABLED"))}
 
 
 @dataclass

@@ -24,6 +24,14 @@ log = logging.getLogger("swarmkv_ffi.llama")
 ffi = FFI()
 ffi.cdef(_cdef.cdef_source())
 
+
+
+def enum(name: str) -> dict[str, int]:
+    """An enum of the cdef by C name ("ggml_type"), as {constant: value}: the one place
+    enum values come from, so no integer is copied from llama.h twice."""
+    return ffi.typeof(f"enum {name}").relements
+
+
 ENV_LIBRARY = "SWARMKV_LIBLLAMA"
 ENV_ALLOW_UNPINNED = "SWARMKV_ALLOW_UNPINNED"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -138,7 +146,10 @@ def system_info() -> str:
     return ffi.string(backend().llama_print_system_info()).decode()
 
 
-_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+_LEVELS = {enum("ggml_log_level")[f"GGML_LOG_LEVEL_{name}"]: level for name, level in
+           (("DEBUG", logging.DEBUG), ("INFO", logging.INFO), ("WARN", logging.WARNING),
+            ("ERROR", logging.ERROR))}
+_CONT = enum("ggml_log_level")["GGML_LOG_LEVEL_CONT"]
 
 
 def _on_llama_log(level: int, text, _user_data) -> None:
@@ -150,7 +161,7 @@ def _on_llama_log(level: int, text, _user_data) -> None:
     try:
         piece = ffi.string(text).decode("utf-8", "replace")
         mine = _this_thread()
-        if level != 5:
+        if level != _CONT:
             mine.level = _LEVELS.get(level, logging.DEBUG)
         mine.partial.append(piece)
         if not piece.endswith("\n"):
@@ -237,7 +248,7 @@ def devices() -> list[dict]:
     handle = backend()
     out = []
     free, total = ffi.new("size_t *"), ffi.new("size_t *")
-    kinds = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+    kinds = {v: k.rsplit("_", 1)[1].lower() for k, v in enum("ggml_backend_dev_type").items()}
     for i in range(handle.ggml_backend_dev_count()):
         dev = handle.ggml_backend_dev_get(i)
         handle.ggml_backend_dev_memory(dev, free, total)

@@ -59,17 +59,22 @@ class Model(Owned):
         if not use_mmap:
             params.load_mode = lib.LLAMA_LOAD_MODE_NONE
         params.use_extra_bufts = repack
-        callback = None
+        callback, raised = None, []
         if progress is not None:
             def on_progress(value, _user):
                 try:
                     return progress(float(value)) is not False
-                except Exception:
+                except BaseException as exc:  # must not unwind through C: cancel, re-raise below
+                    raised.append(exc)
                     return False
             callback = ffi.callback("llama_progress_callback", on_progress)
             params.progress_callback = callback
         library.recent_errors()  # forget errors from earlier calls
         handle = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if raised:
+            if handle != ffi.NULL:
+                lib.llama_model_free(handle)
+            raise raised[0]
         if handle == ffi.NULL:
             said = library.said("no message from libllama")
             raise ModelLoadError(

@@ -1,7 +1,7 @@
 """KV snapshots: one sequence's KV state plus a header that says what it is valid for.
 
     capture(ctx, seq, tokens) --> Snapshot(header, data) --> restore(ctx, seq)
-                                      |  fork() copies the bytes (copy-on-fork)
+                                      |  copy() duplicates the bytes (copy mode's forks)
                                       |  save(path) / load(path)   (atomic, checked)
 
 The bytes come from llama_state_seq_get_data, sized by llama_state_seq_get_size (never by
@@ -171,9 +171,9 @@ class Snapshot:
             raise SnapshotCorruptError(
                 f"restored sequence holds {got} positions, header says {self.header.n_tokens}")
 
-    def fork(self, pinned: bool | None = None) -> "Snapshot":
-        """Copy-on-fork: an independent copy of the bytes, for a branch that may outlive
-        or travel away from the original."""
+    def copy(self, pinned: bool | None = None) -> "Snapshot":
+        """An independent copy of the bytes, for a branch that may outlive or travel away
+        from this snapshot (copy mode forks a branch this way)."""
         data = host_buffer(self.data.nbytes, pinned)
         data[:] = self.data
         return Snapshot(self.header, data)

@@ -61,3 +61,17 @@ class Daemon:
             self.proc.send_signal(signal.SIGTERM)
             return self.proc.wait(timeout=60)
         return self.proc.returncode
+
+
+def wait_decoding(daemon: "Daemon", agent_id: str, timeout: float = 120) -> dict:
+    """Poll STATUS until the daemon says agent_id's DECODE holds the slot; the reply
+    itself is a STATUS answered during that decode. Waits on the daemon's own word
+    instead of sleeping and hoping the decode has started."""
+    deadline = time.monotonic() + timeout
+    with daemon.client() as c:
+        while True:
+            status = c.status()
+            if status["fields"].get("decoding") == agent_id:
+                return status
+            assert time.monotonic() < deadline, f"{agent_id}'s DECODE never started"
+            time.sleep(0.01)

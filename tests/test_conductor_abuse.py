@@ -20,7 +20,7 @@ import pytest
 from swarmkv_ffi import catalog
 from swarmkv_ffi.conductor import protocol
 from swarmkv_ffi.conductor.client import LmxError
-from lmxd_daemon import SYSTEM_PYTHON, Daemon
+from lmxd_daemon import SYSTEM_PYTHON, Daemon, wait_decoding
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -165,7 +165,7 @@ def test_cancelled_decode_is_logged_as_cancelled(daemon):
         c.register("gone", "smollm2-135m", n_ctx=512)
     s = daemon.raw_socket()
     s.sendall(b"DECODE gone 300 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,\n")
-    time.sleep(0.5)
+    wait_decoding(daemon, "gone")
     s.close()
     with daemon.client() as c:
         c.decode("gone", 1, "again")   # waits for the abandoned decode to stop
@@ -401,3 +401,35 @@ def test_every_booking_is_checked_against_the_cap():
     assert info.value.request == 500 and ledger.allocated == 600   # nothing changed
     ledger.settle({"agent:a": 300, "model:m": 700})
     assert ledger.allocated == 1000
+
+
+def test_memory_says_why_it_budgets_host_ram_and_when_a_refresh_fails(monkeypatch, caplog):
+    """No silent fallback and no silently stale figures (they were swallowed before)."""
+    import sys
+    import threading
+    from types import SimpleNamespace
+
+    from swarmkv_ffi.conductor.memory import DeviceMemory
+
+    def no_driver():
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    monkeypatch.setitem(sys.modules, "pynvml", SimpleNamespace(nvmlInit=no_driver))
+    caplog.set_level("WARNING", logger="swarmkv_ffi.lmxd")
+    failed = threading.Event()
+    mem = DeviceMemory(budget_bytes=None, refresh_s=0.01)
+    try:
+        assert mem.reading.source == "host"
+        assert "NVML unavailable (RuntimeError: NVML Shared Library Not Found)" in caplog.text
+
+        def broken():
+            failed.set()
+            raise OSError("meminfo unreadable")
+        monkeypatch.setattr(mem, "_read", broken)
+        assert failed.wait(5)
+        mem.close()
+        assert "memory refresh failed" in caplog.text and "meminfo unreadable" in caplog.text
+        with pytest.raises(OSError):  # an admission reads live and sees the failure
+            mem.budget()
+    finally:
+        mem.close()

@@ -8,7 +8,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from swarmkv_ffi.dag import Dag, DagError, DagTimeoutError
+from swarmkv_ffi.fanout.dag import Dag, DagError, DagTimeoutError
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -18,7 +18,7 @@ from corpus import DOC, QUESTIONS
 from plain import one_token_per_decode
 from swarmkv_ffi import Batch, Context
 from swarmkv_ffi.fanout import BranchSpec, run_baseline, run_fanout
-from swarmkv_ffi.prompts import layout
+from swarmkv_ffi.fanout.prompts import layout
 
 RUN = dict(n_batch=64)
 FANOUT = dict(RUN, cache=False)  # these tests are about the fan-out's own prefill
@@ -160,7 +160,7 @@ def test_invalid_specs_are_rejected(smol):
 @pytest.mark.parametrize("mode", ["shared", "copy"])
 def test_a_timed_out_fanout_leaves_no_decode_running(smol, mode):
     """After the timeout the model may be closed at once: every node has stopped."""
-    from swarmkv_ffi.dag import DagTimeoutError
+    from swarmkv_ffi.fanout.dag import DagTimeoutError
     with pytest.raises(DagTimeoutError):
         run_fanout(smol, DOC * 6, specs(QUESTIONS[:2], max_tokens=64), mode=mode, n_batch=32,
                    cache=False, timeout=0.5)

@@ -64,7 +64,8 @@ def test_unknown_short_name():
 def test_short_names_resolve_to_gguf_files():
     for name in catalog.CATALOG:
         path = catalog.resolve(name)
-        assert path.read_bytes()[:4] == b"GGUF"
+        with open(path, "rb") as f:
+            assert f.read(4) == b"GGUF"
     assert catalog.resolve(None) == catalog.resolve(catalog.DEFAULT_MODEL)
 
 
@@ -75,3 +76,15 @@ def test_progress_callback_reports_and_can_cancel():
     assert seen and seen[-1] == pytest.approx(1.0)
     with pytest.raises(errors.ModelLoadError):
         Model(catalog.resolve("smollm2-135m"), progress=lambda p: False)
+
+
+def test_an_error_in_the_progress_callback_is_raised_as_itself():
+    """Not as a 'truncated file?' load failure: the caller's own bug, with its traceback."""
+    class Broken(Exception):
+        pass
+
+    def progress(p):
+        raise Broken(f"at {p}")
+
+    with pytest.raises(Broken):
+        Model(catalog.resolve("smollm2-135m"), progress=progress)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from swarmkv_ffi import Context, errors
-from swarmkv_ffi.budget import check_budget
+from swarmkv_ffi.fanout.budget import check_budget
 from swarmkv_ffi.fanout import BranchSpec, run_fanout
 from swarmkv_ffi.snapshot import Snapshot
 
@@ -61,8 +61,8 @@ def test_save_load_roundtrip(snap, tmp_path):
     assert Snapshot.from_bytes(snap.to_bytes()).header == snap.header
 
 
-def test_fork_is_an_independent_copy(snap):
-    mine = snap.fork()
+def test_copy_is_independent(snap):
+    mine = snap.copy()
     assert np.array_equal(mine.data, snap.data)
     mine.data[0] ^= 0xFF
     assert mine.data[0] != snap.data[0]
@@ -89,7 +89,7 @@ def test_not_a_snapshot(tmp_path):
 
 
 def test_corrupted_byte_is_caught_before_libllama_and_context_stays_usable(snap, smol):
-    bad = snap.fork()
+    bad = snap.copy()
     bad.data[len(bad.data) // 2] ^= 0x01
     with Context(smol, **CTX) as ctx:
         with pytest.raises(errors.SnapshotCorruptError, match="checksum"):
@@ -129,7 +129,7 @@ def test_too_small_context_is_named(smol):
 
 def test_payload_that_libllama_rejects_leaves_context_usable(snap, smol):
     """Header and checksum fine, but the bytes are not a state libllama can read."""
-    bad = snap.fork()
+    bad = snap.copy()
     bad.data[:] = 0xAB
     from swarmkv_ffi.snapshot import checksum
     bad.header = type(snap.header)(**{**snap.header.__dict__, "checksum": checksum(bad.data)})

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..catalog import DEFAULT_MODEL, resolve
 from ..fanout import BranchSpec, FanoutConfig, run_baseline, run_fanout
+from ..fanout.shared import together
 from ..model import Model
 from .measure import QUESTIONS, PeakRSS, cpu_name, document_of
 
@@ -142,21 +143,27 @@ def sweep_doc_length(model, cfg, lengths=(512, 1024, 2048, 3500, 8192)) -> list[
     return rows
 
 
+def one_at_a_time(chunk, branches):
+    """A shared-mode schedule with one decode for the prefill chunk and one per branch, as
+    if one global mutex held every decode: what batching is measured against."""
+    return [(chunk, [])] + [(None, [b]) for b in branches]
+
+
 def sweep_decode(model, document, cfg, n=16, gen=32) -> list[dict]:
     """Batched (one llama_decode per step for all branches) vs serialised (one branch per
     decode, as under one global mutex): tokens/s of the decode loop, from the moment every
     branch has its first token (all prompts done, in both schedules) to the last token, and
     of the whole generation phase (prompts included)."""
     rows = []
-    for serialize in (False, True):
-        log(f"  sweep decode: N={n} {'serialised' if serialize else 'batched'}")
-        r = run_mode(model, document, "shared", n, gen, cfg, serialize=serialize)
+    for name, schedule in (("batched", together), ("serialised", one_at_a_time)):
+        log(f"  sweep decode: N={n} {name}")
+        r = run_mode(model, document, "shared", n, gen, cfg, schedule=schedule)
         first = [b["ready_ms"] + b["activation_ms"] for b in r["branches"]]
         last = [f + b["decode_ms"] for f, b in zip(first, r["branches"])]
         loop_tokens = r["generated_tokens"] - len(r["branches"])  # first tokens come from prompts
         loop_ms = max(last) - max(first)
         phase_ms = r["total_ms"] - min(b["ready_ms"] for b in r["branches"])
-        rows.append({"n_branches": n, "decode": "serialised" if serialize else "batched",
+        rows.append({"n_branches": n, "decode": name,
                      "generated_tokens": r["generated_tokens"], "decode_loop_ms": loop_ms,
                      "tokens_per_s": loop_tokens / (loop_ms / 1e3),
                      "generation_phase_ms": phase_ms,

@@ -114,7 +114,7 @@ class DecodeResult:
     agent_id: str
     prompt_tokens: int
     generated_tokens: int
-    stopped_on_eos: bool
+    stopped_on_eog: bool
     elapsed_ms: float
     evicted: str | None
     restored: bool
@@ -134,6 +134,7 @@ class Conductor:
         self._lock = threading.Lock()
         self.slot = FifoLock()
         self.live: tuple[Agent, Context] | None = None
+        self.decoding: str | None = None        # the agent whose DECODE holds the slot
         self.n_threads = n_threads
         self.prefixes: dict[str, SharedPrefix] = {}
 
@@ -328,11 +329,14 @@ class Conductor:
                                      f"context + {len(tokens)} new + max_tokens {max_tokens} = {need} > "
                                      f"n_ctx {ctx.n_ctx}; RESET it or register with a larger n_ctx")
             before = len(agent.history)
+            self.decoding = agent_id
             try:
                 gen = generate(ctx, tokens, max_tokens=max_tokens, pos0=before, should_stop=should_stop)
             except BaseException as exc:
                 self._roll_back(agent, ctx, before, exc)
                 raise
+            finally:
+                self.decoding = None
             if gen.cancelled:  # the client left: the conversation is as it was before
                 self._roll_back(agent, ctx, before)
                 return DecodeResult(agent_id, len(new), 0, False, 0.0, evicted, restored, "", cancelled=True)

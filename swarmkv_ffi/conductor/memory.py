@@ -6,12 +6,15 @@ budget: budget = admission_percent of the total, minus what others use, or a fix
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
 
 from ..procmem import rss_bytes
+
+log = logging.getLogger("swarmkv_ffi.lmxd")
 
 
 @dataclass
@@ -61,16 +64,18 @@ class DeviceMemory:
 
     @staticmethod
     def _open_nvml(device: int):
+        """(pynvml, handle) for the device, or None when there is no GPU to read: then the
+        host's memory is the budget, and the log says why."""
         try:
             import pynvml
             pynvml.nvmlInit()
-        except Exception:
-            return None  # no driver: the host's memory is the budget
-        try:
             count = pynvml.nvmlDeviceGetCount()
-        except Exception:
+        except Exception as exc:
+            log.warning("NVML unavailable (%s: %s): budgeting host memory",
+                        type(exc).__name__, exc)
             return None
         if count == 0:
+            log.warning("NVML sees no device: budgeting host memory")
             return None
         if not 0 <= device < count:
             raise ValueError(f"--device {device}: NVML sees {count} device(s)")
@@ -89,8 +94,10 @@ class DeviceMemory:
                     own += proc.usedGpuMemory or 0
                 elif not os.path.exists(f"/proc/{proc.pid}"):
                     foreign = True
-        except Exception:
-            pass
+        except Exception as exc:
+            # Without the process list our own use counts as others': a smaller budget.
+            log.warning("NVML process list unreadable (%s): counting all used memory as "
+                        "other processes'", exc)
         if not found and foreign:
             # In a PID namespace (a container) NVML reports host PIDs, so our own process
             # is not recognisable and its memory would count as "others" on top of what
@@ -110,8 +117,11 @@ class DeviceMemory:
         while not self._stop.wait(every):
             try:
                 self.refresh()
-            except Exception:
-                pass
+            except Exception as exc:
+                # Admissions re-read live (budget()), so a failure here only ages the
+                # figures STATUS shows; say so rather than keep them silently.
+                log.warning("memory refresh failed, last reading from %.0f s ago kept: %s",
+                            time.time() - self.reading.at, exc)
 
     def budget(self) -> int:
         """Bytes the ledger may hand out now (read live)."""
@@ -122,3 +132,5 @@ class DeviceMemory:
 
     def close(self) -> None:
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)

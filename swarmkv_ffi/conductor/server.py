@@ -290,7 +290,7 @@ class Server:
                                      "the conversation is as it was before this DECODE")
             return protocol.ok("DECODE", [
                 protocol.kv(prompt_tokens=r.prompt_tokens, generated_tokens=r.generated_tokens,
-                            stopped_on_eos=r.stopped_on_eos),
+                            stopped_on_eos=r.stopped_on_eog),  # the wire keeps the SPEC's name
                 protocol.kv(elapsed_ms=r.elapsed_ms),
                 protocol.kv(kv_swap_evicted=r.evicted, kv_swap_restored=r.restored),
             ], body=r.text, agent_id=r.agent_id)
@@ -312,6 +312,7 @@ class Server:
             protocol.kv(swap_max_bytes=c.swap.limit(), swap_allocated_bytes=c.swap.allocated),
             protocol.kv(agents=len(self._visible(uid)), decode_queue=c.slot.waiting,
                         live_agent=c.live[0].id if c.live and c.live[0] in self._visible(uid) else None,
+                        decoding=c.decoding if c.decoding in {a.id for a in self._visible(uid)} else None,
                         uptime_s=round(time.time() - self.started, 1)),
         ]
         if self._sees_all(uid):

@@ -4,7 +4,7 @@
        ├─ shared: llama_memory_seq_cp(0 → 1..N), one llama_decode per step for all branches
        └─ copy:   snapshot ─▶ per-branch copy ─▶ fresh context ─▶ restore ─▶ branch loop
 
-Both modes run as a DAG (swarmkv_ffi.dag). A branch with a watermark W needs only the
+Both modes run as a DAG (fanout/dag.py). A branch with a watermark W needs only the
 first W document tokens: the prefill splits its chunks at W and the branch starts there,
 while the rest of the document is still being read.
 

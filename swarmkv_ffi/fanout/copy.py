@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
-from ..dag import Dag
+from .dag import Dag
 from ..generate import generate
 from ..snapshot import Snapshot
 from .plan import BranchResult, Plan, prefill, record_generation
@@ -73,7 +73,7 @@ def _copy_branch(plan: Plan, i: int, gate_value, keep_logits: bool) -> BranchRes
     res.ready_ms = ready_ms
     w = plan.watermarks[i]
     t = time.perf_counter_ns()
-    mine = snapshot.fork()  # copy-on-fork: this branch owns its bytes
+    mine = snapshot.copy()  # this branch owns its bytes
     with plan.context(plan.n_ctx) as ctx, plan.sampler(i) as sampler:
         mine.restore(ctx, 0)
         if w < mine.header.n_tokens:  # a full snapshot reused for a watermark branch

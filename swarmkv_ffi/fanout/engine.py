@@ -3,21 +3,21 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..dag import Dag
+from .dag import Dag
 from ..model import Model
 from ..prefix_cache import PrefixCache
 from ..snapshot import Snapshot
 from .config import FanoutConfig
 from .copy import add_copy_nodes
 from .plan import MODES, BranchSpec, FanoutResult, check_snapshot_document, plan_fanout
-from .shared import run_shared
+from .shared import Schedule, run_shared, together
 
 
 def run_fanout(model: Model, document: str, specs: list[BranchSpec],
                config: FanoutConfig | None = None, *, mode: str = "shared",
                snapshot_in: Snapshot | None = None, snapshot_out: Callable[[Snapshot], None] | None = None,
                progress: Callable[[int, int], None] | None = None, keep_logits: bool = False,
-               branch_workers: int = 1, serialize: bool = False,
+               branch_workers: int = 1, schedule: Schedule = together,
                timeout: float | None = 3600.0, cache: PrefixCache | bool | None = True,
                **settings) -> FanoutResult:
     """Answer every branch over one prefill of `document`.
@@ -33,8 +33,9 @@ def run_fanout(model: Model, document: str, specs: list[BranchSpec],
     prefill. snapshot_out: called with the document's snapshot once the prefill is done.
     keep_logits: keep each branch's first logits, and a digest of the logits of every
     sampled token (exact.digest). progress(done, total): prefill progress in tokens.
-    branch_workers: copy-mode branches that may run at once (each in its own context). serialize: shared mode decodes the
-    branches one at a time instead of together (to measure what batching buys).
+    branch_workers: copy-mode branches that may run at once (each in its own context).
+    schedule: how shared mode splits one step's work into decodes (default: all of it in
+    one; benchmarks pass others to measure what batching buys).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -55,7 +56,7 @@ def run_fanout(model: Model, document: str, specs: list[BranchSpec],
     plan.stop = dag.stop
     if mode == "shared":
         dag.add("shared", lambda _: run_shared(plan, snapshot_in, snapshot_out, progress, keep_logits,
-                                               serialize, on_capture=captured.append))
+                                               on_capture=captured.append, schedule=schedule))
         branches, prefill_ms, snapshot_bytes, n_ctx_used = dag.run(max_workers=1, timeout=timeout)["shared"]
     else:
         add_copy_nodes(dag, plan, snapshot_in, snapshot_out, progress, keep_logits, on_capture=captured.append)

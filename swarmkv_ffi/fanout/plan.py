@@ -10,13 +10,13 @@ import numpy as np
 
 from ..batch import Batch
 from .. import exact
-from ..budget import check_budget
+from .budget import check_budget
 from ..context import Context, ContextParams
-from ..dag import DagStopped
+from .dag import DagStopped
 from ..errors import SnapshotMismatchError
-from ..generate import Generation
+from ..generate import Answer, Generation
 from ..model import Model
-from ..prompts import PromptLayout, layout
+from .prompts import PromptLayout, layout
 from ..sampler import Sampler
 from ..prefix_cache import TAIL
 from ..snapshot import Snapshot, params_signature, tokens_hash
@@ -111,8 +111,9 @@ class Plan:
         if self.stop.is_set():
             raise DagStopped("the fan-out timed out; this step was not started")
 
-    def ms(self) -> float:
-        return (time.perf_counter_ns() - self.t0) / 1e6
+    def ms(self, at_ns: int | None = None) -> float:
+        """Milliseconds since the plan was made (until now, or until perf_counter_ns at_ns)."""
+        return ((at_ns or time.perf_counter_ns()) - self.t0) / 1e6
 
     def context(self, n_ctx: int, n_seq_max: int = 1, n_batch: int | None = None) -> Context:
         return Context(self.model, self.params(n_ctx, n_seq_max, n_batch))
@@ -212,17 +213,16 @@ def prefill(plan: Plan, ctx: Context, upto: int | None = None, on_chunk=None, st
             on_chunk(done)
 
 
-def record_generation(res: BranchResult, gen: Generation, setup_ms: float) -> BranchResult:
-    """Copy a branch's generation into its result. setup_ms is what the branch paid before
-    its prompt (a fork, or the baseline's own prefill): activation = setup + first token."""
-    res.token_ids, res.text, res.stopped_on_eog = gen.tokens, gen.text, gen.stopped_on_eog
-    res.activation_ms = setup_ms + gen.first_token_ms
-    res.decode_ms = gen.decode_ms - (gen.first_token_ms - gen.prompt_ms)
-    res.tokens_per_s = rate(len(gen.tokens), res.decode_ms)
-    res.first_logits, res.logit_digests = gen.first_logits, gen.logit_digests
+def record_answer(res: BranchResult, answer: Answer, activation_ms: float) -> BranchResult:
+    """Copy a branch's answer into its result; activation_ms: from ready to its first token."""
+    res.token_ids, res.text, res.stopped_on_eog = answer.tokens, answer.text, answer.stopped_on_eog
+    res.activation_ms = activation_ms
+    res.decode_ms, res.tokens_per_s = answer.decode_ms, answer.tokens_per_s
+    res.first_logits, res.logit_digests = answer.first_logits, answer.logit_digests
     return res
 
 
-def rate(n_tokens: int, ms: float) -> float:
-    """Generated tokens per second after the first one."""
-    return (n_tokens - 1) / (ms / 1e3) if n_tokens > 1 and ms > 0 else 0.0
+def record_generation(res: BranchResult, gen: Generation, setup_ms: float) -> BranchResult:
+    """A branch that ran generate(): setup_ms is what it paid before its prompt (a fork, or
+    the baseline's own prefill), so activation = setup + first token."""
+    return record_answer(res, gen, setup_ms + gen.first_token_ms)

@@ -18,7 +18,7 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor, wa
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import SwarmKVError
+from ..errors import SwarmKVError
 
 
 class DagError(SwarmKVError, ValueError):

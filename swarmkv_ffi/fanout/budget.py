@@ -1,7 +1,7 @@
 """The context budget, checked before any context or buffer exists."""
 from __future__ import annotations
 
-from .errors import BudgetError
+from ..errors import BudgetError
 
 DEFAULT_HEADROOM = 128
 
