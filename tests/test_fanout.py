@@ -175,3 +175,20 @@ def test_shared_mode_honours_n_ctx_and_headroom_and_reports_its_context(smol):
     small = run_fanout(smol, DOC, specs(QUESTIONS[:2], max_tokens=4), **FANOUT)
     roomy = run_fanout(smol, DOC, specs(QUESTIONS[:2], max_tokens=4), headroom=1000, **FANOUT)
     assert roomy.n_ctx >= small.n_ctx + 768       # the caller's headroom, not the default 128
+
+
+def test_a_failed_shared_run_closes_every_sampler(smol, monkeypatch):
+    """An error mid-run (here: the caller's progress callback) still frees each branch's
+    sampler at once, not whenever the traceback that holds them is collected."""
+    from swarmkv_ffi.sampler import Sampler
+    released = []
+    real = Sampler._release
+    monkeypatch.setattr(Sampler, "_release", lambda self: (released.append(self), real(self)))
+
+    def progress(done, total):
+        raise KeyError("caller's bug")
+
+    with pytest.raises(KeyError) as info:
+        run_fanout(smol, DOC, specs(QUESTIONS[:3]), progress=progress, **FANOUT)
+    assert len(released) == 3, "a sampler outlived its failed run"
+    del info

@@ -23,7 +23,7 @@ from ..catalog import DEFAULT_MODEL, resolve
 from ..fanout import BranchSpec, FanoutConfig, run_baseline, run_fanout
 from ..fanout.shared import together
 from ..model import Model
-from .measure import QUESTIONS, PeakRSS, cpu_name, document_of
+from .measure import QUESTIONS, PeakRSS, cpu_name, decode_loop, document_of
 
 MODES = ("baseline", "shared", "copy")
 TARGETS = {
@@ -68,6 +68,7 @@ def run_mode(model: Model, document: str, mode: str, n: int, gen: int, cfg: Conf
             b.pop(key)
     out["peak_rss_delta_bytes"] = mem.peak_delta
     out["generated_tokens"] = sum(len(b.token_ids) for b in res.branches)
+    out["decode_loop"] = decode_loop(res.branches)
     return out
 
 
@@ -158,14 +159,11 @@ def sweep_decode(model, document, cfg, n=16, gen=32) -> list[dict]:
     for name, schedule in (("batched", together), ("serialised", one_at_a_time)):
         log(f"  sweep decode: N={n} {name}")
         r = run_mode(model, document, "shared", n, gen, cfg, schedule=schedule)
-        first = [b["ready_ms"] + b["activation_ms"] for b in r["branches"]]
-        last = [f + b["decode_ms"] for f, b in zip(first, r["branches"])]
-        loop_tokens = r["generated_tokens"] - len(r["branches"])  # first tokens come from prompts
-        loop_ms = max(last) - max(first)
+        loop = r["decode_loop"]
         phase_ms = r["total_ms"] - min(b["ready_ms"] for b in r["branches"])
         rows.append({"n_branches": n, "decode": name,
-                     "generated_tokens": r["generated_tokens"], "decode_loop_ms": loop_ms,
-                     "tokens_per_s": loop_tokens / (loop_ms / 1e3),
+                     "generated_tokens": r["generated_tokens"], "decode_loop_ms": loop["ms"],
+                     "tokens_per_s": loop["tokens_per_s"],
                      "generation_phase_ms": phase_ms,
                      "tokens_per_s_incl_prompts": r["generated_tokens"] / (phase_ms / 1e3)})
     return rows

@@ -57,6 +57,17 @@ def decode_tps(res) -> float:
     return tokens / ((res.total_ms - res.prefill_ms) / 1e3)
 
 
+def decode_loop(branches) -> dict:
+    """The batched decode loop alone, as llama-batched-bench's tg phase counts it: the tokens
+    after each branch's first (the first comes from its prompt), over the time from the
+    moment every branch had its first token to the last token (BranchResults)."""
+    first = [b.ready_ms + b.activation_ms for b in branches]
+    last = [f + b.decode_ms for f, b in zip(first, branches)]
+    tokens = sum(max(0, len(b.token_ids) - 1) for b in branches)
+    ms = max(last) - max(first)
+    return {"tokens": tokens, "ms": ms, "tokens_per_s": tokens / (ms / 1e3) if ms > 0 else 0.0}
+
+
 def cpu_name() -> str:
     """A folder-friendly name of this machine's CPU."""
     name = platform.processor() or platform.machine()

@@ -85,62 +85,12 @@ class Dag:
     def run(self, max_workers: int = 4, timeout: float | None = None) -> dict[str, Any]:
         """Run every node; return {name: result}. Raises the first node failure."""
         order = self.check()
-        dependents: dict[str, list[str]] = {n: [] for n in self.nodes}
-        for node in self.nodes.values():
-            for dep in node.deps:
-                dependents[dep].append(node.name)
-        lock = threading.Lock()
-        started: set[str] = set()
-        failures: list[BaseException] = []
-
         pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="dag")
+        execution = _Execution(self, pool)
         timed_out = False
         try:
-            def ready(node: Node) -> bool:
-                return all(self.nodes[d].future.done() for d in node.deps) and \
-                    all(g.done() for g in node.gates)
-
-            def try_start(node: Node) -> None:
-                with lock:
-                    if node.name in started or not ready(node):
-                        return
-                    started.add(node.name)
-                upstream = [self.nodes[d].future for d in node.deps] + list(node.gates)
-                for f in upstream:
-                    if f.cancelled():
-                        return
-                    if f.exception() is not None:
-                        _settle(node.future, exc=f.exception())
-                        return
-                inputs = {d: self.nodes[d].future.result() for d in node.deps}
-                pool.submit(execute, node, inputs)
-
-            def execute(node: Node, inputs: dict) -> None:
-                if node.future.cancelled():  # run() timed out meanwhile
-                    return
-                try:
-                    result = node.fn(inputs)
-                except BaseException as exc:  # noqa: BLE001 - handed to dependents verbatim
-                    with lock:
-                        failures.append(exc)
-                    _settle(node.future, exc=exc)
-                else:
-                    _settle(node.future, result=result)
-
-            def on_done(name: str) -> None:
-                for child in dependents[name]:
-                    try_start(self.nodes[child])
-
-            for name in order:
-                node = self.nodes[name]
-                node.future.add_done_callback(lambda _f, n=name: on_done(n))
-                for gate in node.gates:
-                    gate.add_done_callback(lambda _f, n=node: try_start(n))
-            for name in order:
-                try_start(self.nodes[name])
-
-            futures = [n.future for n in self.nodes.values()]
-            _, pending = wait(futures, timeout=timeout)
+            execution.start(order)
+            _, pending = wait([n.future for n in self.nodes.values()], timeout=timeout)
             if pending:
                 timed_out = True
                 names = sorted(n.name for n in self.nodes.values() if not n.future.done())
@@ -154,9 +104,69 @@ class Dag:
             # a node abandoned here could still be inside llama_decode on a context that
             # the caller frees as soon as we return.
             pool.shutdown(wait=True, cancel_futures=timed_out)
-        if failures:
-            raise failures[0]
+        if execution.failures:
+            raise execution.failures[0]
         return {name: node.future.result() for name, node in self.nodes.items()}
+
+
+class _Execution:
+    """One run() of a Dag: starts each node from the completion callbacks of what it waits
+    for, so no worker ever blocks on another node."""
+
+    def __init__(self, dag: Dag, pool: ThreadPoolExecutor):
+        self.nodes, self.pool = dag.nodes, pool
+        self.dependents: dict[str, list[str]] = {n: [] for n in self.nodes}
+        for node in self.nodes.values():
+            for dep in node.deps:
+                self.dependents[dep].append(node.name)
+        self.lock = threading.Lock()
+        self.started: set[str] = set()
+        self.failures: list[BaseException] = []
+
+    def start(self, order: list[str]) -> None:
+        for name in order:
+            node = self.nodes[name]
+            node.future.add_done_callback(lambda _f, n=name: self.on_done(n))
+            for gate in node.gates:
+                gate.add_done_callback(lambda _f, n=node: self.try_start(n))
+        for name in order:
+            self.try_start(self.nodes[name])
+
+    def ready(self, node: Node) -> bool:
+        return all(self.nodes[d].future.done() for d in node.deps) and all(g.done() for g in node.gates)
+
+    def try_start(self, node: Node) -> None:
+        """Submit node once everything it waits for is done, or fail it with the first
+        upstream failure (the same exception object)."""
+        with self.lock:
+            if node.name in self.started or not self.ready(node):
+                return
+            self.started.add(node.name)
+        upstream = [self.nodes[d].future for d in node.deps] + list(node.gates)
+        for f in upstream:
+            if f.cancelled():
+                return
+            if f.exception() is not None:
+                _settle(node.future, exc=f.exception())
+                return
+        inputs = {d: self.nodes[d].future.result() for d in node.deps}
+        self.pool.submit(self.execute, node, inputs)
+
+    def execute(self, node: Node, inputs: dict) -> None:
+        if node.future.cancelled():  # run() timed out meanwhile
+            return
+        try:
+            result = node.fn(inputs)
+        except BaseException as exc:  # noqa: BLE001 - handed to dependents verbatim
+            with self.lock:
+                self.failures.append(exc)
+            _settle(node.future, exc=exc)
+        else:
+            _settle(node.future, result=result)
+
+    def on_done(self, name: str) -> None:
+        for child in self.dependents[name]:
+            self.try_start(self.nodes[child])
 
 
 def _settle(future: Future, result: Any = None, exc: BaseException | None = None) -> None:
