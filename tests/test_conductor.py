@@ -312,7 +312,7 @@ def test_swap_after_end_of_generation(daemon, agents):
         tokens = int(next(a for a in c.list() if a["agent_id"] == "smol2")["tokens"])
         assert tokens == int(first["fields"]["prompt_tokens"]) + generated  # every generated token counted
         c.decode("gem", 2, "Hi")  # evicts smol2
-        again = c.decode("smol2", 4, "More?")
+        again = c.decode("smol2", 4, " Once upon a time, there was a")  # goes on: " king who had a"
         assert again["fields"]["kv_swap_restored"] == "true"
         assert again["fields"]["stopped_on_eos"] == "false"  # max_tokens stopped it
         assert int(again["fields"]["generated_tokens"]) == 4

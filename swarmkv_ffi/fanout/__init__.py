@@ -13,6 +13,8 @@ Timings are taken with time.perf_counter_ns, relative to the start of run_fanout
   fork_ms         seq_cp (shared) or copy + fresh context + restore (copy)
   activation_ms   from ready to the branch's first generated token (the "TTFT proxy")
   decode_ms       from the first to the last generated token
+  tokens_per_s    the tokens after the first over decode_ms (generate.rate: llama.cpp's
+                  eval rate; generate() and lmxd count the same way)
 """
 from .baseline import run_baseline
 from .config import FanoutConfig
