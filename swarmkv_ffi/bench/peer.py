@@ -13,7 +13,8 @@ in one process with the model loaded beforehand on both sides and the prefix cac
 
 and reports end-to-end, prefill, mean per-answer latency, the ratios, and how many answers
 have the same text. llama-server is restarted for every configuration, so no run finds
-another's prompt cache. Output: peer.json, peer.csv and peer.png in --out.
+another's prompt cache; both sides have decoded once before the first measurement (the
+server's own warm-up at load, a short fan-out of ours). Output: peer.json, peer.csv and peer.png in --out.
 """
 from __future__ import annotations
 
@@ -207,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     rows, texts = [], {}
     with Model(args.model_path) as model:
         document = document_of(model, args.tokens)
+        # llama-server warms up at load (one decode before it reports healthy); do the same,
+        # or the first configuration's run pays for page faults the server never shows.
+        run_fanout(model, document_of(model, 600), [BranchSpec(QUESTIONS[0], max_tokens=4)],
+                   cache=False, n_threads=args.threads)
         for gen in gens:
             for n in ns:
                 result = one_config(args, model, document, n, gen)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from .budget import DEFAULT_HEADROOM
 from ..context import FLASH_ATTN, KV_TYPES
+from .budget import DEFAULT_HEADROOM
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
-from .dag import Dag
 from ..generate import generate
 from ..snapshot import Snapshot
+from .dag import Dag
 from .plan import BranchResult, Plan, prefill, record_generation
 
 

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .dag import Dag
 from ..model import Model
 from ..prefix_cache import PrefixCache
 from ..snapshot import Snapshot
 from .config import FanoutConfig
 from .copy import add_copy_nodes
+from .dag import Dag
 from .plan import MODES, BranchSpec, FanoutResult, check_snapshot_document, plan_fanout
 from .shared import Schedule, run_shared, together
 

@@ -8,19 +8,19 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..batch import Batch
 from .. import exact
-from .budget import check_budget
+from ..batch import Batch
 from ..context import Context, ContextParams
-from .dag import DagStopped
 from ..errors import SnapshotMismatchError
 from ..generate import Answer, Generation
 from ..model import Model
-from .prompts import PromptLayout, layout
-from ..sampler import Sampler
 from ..prefix_cache import TAIL
+from ..sampler import Sampler
 from ..snapshot import Snapshot, params_signature, tokens_hash
+from .budget import check_budget
 from .config import FanoutConfig
+from .dag import DagStopped
+from .prompts import PromptLayout, layout
 
 MODES = ("shared", "copy")
 
