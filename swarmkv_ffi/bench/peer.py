@@ -120,6 +120,7 @@ def server_runs(args, prompts: list[str], gen: int) -> dict:
         out[name] = {"total_ms": total, "prefill_ms": replies[0]["timings"]["prompt_ms"],
                      "prompt_tokens_evaluated": [r["timings"]["prompt_n"] for r in replies],
                      "mean_answer_ms": statistics.mean(r["wall_ms"] for r in replies),
+                     "generated_tokens": sum(r["timings"]["predicted_n"] for r in replies),
                      "texts": [r["content"] for r in replies]}
     return out
 
@@ -133,6 +134,7 @@ def our_runs(args, model: Model, document: str, specs: list[BranchSpec]) -> dict
         out[f"ours_{mode}"] = {
             "total_ms": total, "prefill_ms": res.prefill_ms,
             "mean_answer_ms": statistics.mean(b.ready_ms + b.activation_ms + b.decode_ms for b in res.branches),
+            "generated_tokens": sum(len(b.token_ids) for b in res.branches),
             "texts": [b.text for b in res.branches], "prompts": [b.prompt_text for b in res.branches]}
     return out
 
@@ -149,6 +151,8 @@ def one_config(args, model, document, n: int, gen: int) -> dict:
            **{f"{k}_total_ms": v["total_ms"] for k, v in runs.items()},
            **{f"{k}_prefill_ms": v["prefill_ms"] for k, v in runs.items()},
            **{f"{k}_mean_answer_ms": v["mean_answer_ms"] for k, v in runs.items()},
+           # Answers of different lengths take different times: compare totals with these.
+           **{f"{k}_generated_tokens": v["generated_tokens"] for k, v in runs.items()},
            "speedup_shared_vs_server_seq": peer["total_ms"] / ours["total_ms"],
            "speedup_shared_vs_server_conc": runs["server_conc"]["total_ms"] / ours["total_ms"],
            "speedup_copy_vs_server_seq": peer["total_ms"] / runs["ours_copy"]["total_ms"],
