@@ -25,7 +25,6 @@ ffi = FFI()
 ffi.cdef(_cdef.cdef_source())
 
 
-
 def enum(name: str) -> dict[str, int]:
     """An enum of the cdef by C name ("ggml_type"), as {constant: value}: the one place
     enum values come from, so no integer is copied from llama.h twice."""
@@ -80,6 +79,12 @@ def find_library() -> Path:
 def install_root(lib_path: Path) -> Path:
     """build_llama.sh's install folder: lib/ and include/ and manifest.json side by side."""
     return lib_path.resolve().parent.parent
+
+
+def tool_path(name: str) -> Path:
+    """Where `./build_llama.sh --tools` puts llama.cpp's own tools (llama-server,
+    llama-bench, llama-batched-bench) for the library we load: beside its lib/."""
+    return install_root(find_library()) / "tools" / name
 
 
 def read_manifest(lib_path: Path | None = None) -> dict | None:

@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra llama-server flag (repeatable); default: its own defaults")
     ap.add_argument("--out", type=Path, default=Path("bench/results/peer"))
     args = ap.parse_args(argv)
-    args.server = args.server or library.install_root(library.find_library()) / "tools" / "llama-server"
+    args.server = args.server or library.tool_path("llama-server")
     if not args.server.exists():
         print(f"swarmkv bench peer: {args.server} not found; build it with ./build_llama.sh --tools",
               file=sys.stderr)

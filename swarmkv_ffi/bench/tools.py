@@ -40,7 +40,7 @@ from .measure import QUESTIONS, cpu_name, decode_loop, decode_tps, document_of, 
 
 
 def tool(name: str) -> Path:
-    path = library.install_root(library.find_library()) / "tools" / name
+    path = library.tool_path(name)
     if not path.exists():
         raise SystemExit(f"{path} not found: build the peers with ./build_llama.sh --tools")
     return path
