@@ -34,9 +34,11 @@ refuses to load it on a CPU that lacks one (instead of dying with SIGILL).
                      by default
   --cuda             build the CUDA backend (GGML_CUDA=ON); needs nvcc
   --cuda-arch ARCHS  CUDA architectures, e.g. "90" or "80;90" (default: CMake's "native")
-  --tools            also build llama.cpp's own llama-server, llama-bench and
-                     llama-batched-bench from the same source and flags, into
-                     PREFIX/tools/ (the peers \`swarmkv bench peer\` compares us with)
+  --tools            also build llama.cpp's own tools with the same flags: llama-server,
+                     llama-bench, llama-batched-bench and llama-quantize from the stock
+                     pin into PREFIX/tools-stock/ (the peers our benchmarks compare us
+                     with), and llama-bench and llama-batched-bench with our patches
+                     into PREFIX/tools/ (\`swarmkv bench kernels\` runs both)
   --prefix DIR       install into DIR instead of ./libllama (use it with SWARMKV_LIBLLAMA=DIR/lib)
   --jobs N           parallel compile jobs (default: nproc)
   --force            rebuild even if the installed manifest matches
@@ -161,7 +163,7 @@ lib_ready=0
 if [ $force = 0 ] && [ -f "$manifest" ] && grep -q "\"build_key\": \"$key\"" "$manifest" \
    && [ -f "$prefix/lib/libllama.so" ] && [ -f "$prefix/include/llama.h" ]; then
     lib_ready=1
-    if [ $tools = 0 ] || [ -x "$prefix/tools/llama-server" ]; then
+    if [ $tools = 0 ] || { [ -x "$prefix/tools/llama-batched-bench" ] && [ -x "$prefix/tools-stock/llama-server" ]; }; then
         say "up to date ($backend, $target CPU build, llama.cpp $LLAMA_COMMIT)"
         echo "$prefix/lib/libllama.so"
         exit 0
@@ -194,15 +196,18 @@ if [ ! -f "$src/.extracted" ]; then
     touch "$src/.extracted"
 fi
 pristine="$src"
-src="$cache/src-$SDIST_VERSION-patched-$patch_set"
-if [ ! -f "$src/.patched" ]; then
+# One patched tree whatever the patch set (its .patched names the set it holds): the
+# source paths stay the same from one patch set to the next, so ccache recompiles only
+# the files a patch changed.
+src="$cache/src-$SDIST_VERSION-patched"
+if [ "$(cat "$src/.patched" 2>/dev/null)" != "$patch_set" ]; then
     say "applying ${#patches[@]} patches from kernels/ggml/"
     rm -rf "$src"; cp -a "$pristine" "$src"
     for p in "${patches[@]}"; do
         patch -p1 --batch --forward --silent -d "$src" <"$p" >"$cache/patch.log" 2>&1 \
             || { cat "$cache/patch.log" >&2; rm -rf "$src"; die "$(basename "$p") does not apply to llama.cpp $LLAMA_COMMIT (see above); fix the patch or the pin"; }
     done
-    touch "$src/.patched"
+    echo "$patch_set" >"$src/.patched"
 fi
 
 # ---- configure, build, install -------------------------------------------------------
@@ -214,23 +219,29 @@ if command -v ccache >/dev/null; then
     say "using ccache"
 fi
 
-# llama.cpp's own tools, from the same source and flags: the peers our benchmarks measure
-# against. They go into PREFIX/tools/ beside their own copies of the libraries.
-build_tools() {
-    local tb="$cache/tools-$key"
+# llama.cpp's own tools, from the same flags, twice: PREFIX/tools/ from our patched
+# sources (what our kernels give llama.cpp's own benchmarks) and PREFIX/tools-stock/ from
+# the pristine pin (the yardstick). Each folder holds its own copies of the libraries.
+build_tools_from() {   # SOURCE DEST-FOLDER BUILD-DIR TARGET...
+    local tsrc="$1" dest="$2" tb="$3"; shift 3
+    local targets=("$@") t
     local tflags=("${flags[@]}" -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON)
     say "configuring llama.cpp's tools in $tb"
-    "$CMAKE" -S "$src" -B "$tb" "${tflags[@]}" "${launcher[@]}" >"$cache/configure-tools-$key.log" 2>&1 \
-        || { tail -30 "$cache/configure-tools-$key.log" >&2; die "cmake configure of the tools failed; log: $cache/configure-tools-$key.log"; }
-    say "compiling llama-server, llama-bench, llama-batched-bench (several minutes on a small machine)"
-    "$CMAKE" --build "$tb" --config Release -j "$jobs" --target llama-server llama-bench llama-batched-bench \
-        >"$cache/build-tools-$key.log" 2>&1 \
-        || { tail -30 "$cache/build-tools-$key.log" >&2; die "compiling the tools failed; log: $cache/build-tools-$key.log"; }
-    rm -rf "$prefix/tools"; mkdir -p "$prefix/tools"
-    cp "$tb/bin/llama-server" "$tb/bin/llama-bench" "$tb/bin/llama-batched-bench" "$prefix/tools/"
-    find "$tb/bin" "$tb/src" "$tb/ggml/src" "$tb/common" -maxdepth 3 -name '*.so*' -exec cp -P {} "$prefix/tools/" \; 2>/dev/null
-    "$prefix/tools/llama-server" --version >/dev/null 2>&1 || die "the freshly built llama-server does not run"
-    say "tools installed into $prefix/tools"
+    "$CMAKE" -S "$tsrc" -B "$tb" "${tflags[@]}" "${launcher[@]}" >"$tb.configure.log" 2>&1 \
+        || { tail -30 "$tb.configure.log" >&2; die "cmake configure of the tools failed; log: $tb.configure.log"; }
+    say "compiling ${targets[*]} into $dest (several minutes on a small machine)"
+    "$CMAKE" --build "$tb" --config Release -j "$jobs" --target "${targets[@]}" \
+        >"$tb.build.log" 2>&1 \
+        || { tail -30 "$tb.build.log" >&2; die "compiling the tools failed; log: $tb.build.log"; }
+    rm -rf "$dest"; mkdir -p "$dest"
+    for t in "${targets[@]}"; do cp "$tb/bin/$t" "$dest/"; done
+    find "$tb/bin" "$tb/src" "$tb/ggml/src" "$tb/common" -maxdepth 3 -name '*.so*' -exec cp -P {} "$dest/" \; 2>/dev/null
+    "$dest/llama-bench" --help >/dev/null 2>&1 || die "the freshly built $dest/llama-bench does not run"
+}
+build_tools() {
+    build_tools_from "$src" "$prefix/tools" "$cache/tools-$key" llama-bench llama-batched-bench
+    build_tools_from "$pristine" "$prefix/tools-stock" "$cache/tools-stock-$key" llama-server llama-bench llama-batched-bench llama-quantize
+    say "tools installed into $prefix/tools (patched) and $prefix/tools-stock (stock llama.cpp $LLAMA_COMMIT)"
 }
 if [ $lib_ready = 1 ]; then   # only the tools were missing
     build_tools
