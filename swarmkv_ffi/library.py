@@ -81,10 +81,15 @@ def install_root(lib_path: Path) -> Path:
     return lib_path.resolve().parent.parent
 
 
-def tool_path(name: str) -> Path:
+def tool_path(name: str, build: str = "stock") -> Path:
     """Where `./build_llama.sh --tools` puts llama.cpp's own tools (llama-server,
-    llama-bench, llama-batched-bench) for the library we load: beside its lib/."""
-    return install_root(find_library()) / "tools" / name
+    llama-bench, llama-batched-bench) for the library we load, beside its lib/: built
+    from the stock pin (tools-stock/, the yardstick every comparison uses) or with our
+    ggml patches applied (tools/, for stock-vs-patched runs of llama.cpp's benchmarks)."""
+    folders = {"stock": "tools-stock", "patched": "tools"}
+    if build not in folders:
+        raise ValueError(f"build must be one of {sorted(folders)}, not {build!r}")
+    return install_root(find_library()) / folders[build] / name
 
 
 def read_manifest(lib_path: Path | None = None) -> dict | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -48,6 +50,34 @@ def test_peer_bench_without_llama_server_says_how_to_build_it(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "./build_llama.sh --tools" in proc.stderr
+
+
+def test_kernels_bench_checks_its_arguments_and_names_the_missing_tools(tmp_path):
+    from swarmkv_ffi import library
+    root = library.install_root(library.find_library())
+    bare = tmp_path / "libllama"           # the same library, without ./build_llama.sh --tools
+    for part in ("lib", "include"):
+        shutil.copytree(root / part, bare / part, symlinks=True)
+    shutil.copy(root / "manifest.json", bare / "manifest.json")
+    env = {**os.environ, "SWARMKV_LIBLLAMA": str(bare / "lib")}
+    cmd = [sys.executable, "-m", "swarmkv_ffi.cli", "bench", "kernels"]
+    bad = subprocess.run(cmd + ["--npp", "128,x"], capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and "comma-separated integers" in bad.stderr
+    proc = subprocess.run(cmd + ["--repeats", "1"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0
+    assert "tools-stock/llama-batched-bench not found" in proc.stderr and "./build_llama.sh --tools" in proc.stderr
+
+
+def test_shaped_gguf_writes_a_model_libllama_loads_and_decodes(tmp_path):
+    from swarmkv_ffi import shaped_gguf
+    from swarmkv_ffi.context import Context, ContextParams
+    from swarmkv_ffi.model import Model
+    shape = shaped_gguf.Shape(n_embd=128, n_head=4, n_head_kv=2, n_ff=256, n_layer=2, n_vocab=400, n_ctx=256)
+    path = shaped_gguf.write_f16(tmp_path / "m.gguf", shape)
+    with Model(path) as m:
+        assert (m.n_layer, m.n_embd, m.n_head, m.n_head_kv, m.n_vocab) == (2, 128, 4, 2, 400)
+        with Context(m, ContextParams(n_ctx=64, n_threads=1)) as ctx:
+            ctx.decode_tokens(m.tokenize("w1 w2 w3"), logits_last=True)
 
 
 def test_peak_rss_sees_memory_freed_before_the_block_ends():

@@ -41,8 +41,17 @@ QUESTIONS = ["What is this document about?", "Who may use the work?", "What must
              "Is there a warranty?"]
 
 
+RUNS = ("ours_shared", "ours_copy", "server_seq", "server_conc")
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def build_info() -> dict:
+    """What our side ran on: the libllama build's commit, CPU target and patch set."""
+    m = library.read_manifest() or {}
+    return {k: m.get(k) for k in ("llama_cpp_commit", "cpu_target", "cpu_features", "patch_set", "patches")}
 
 
 def free_port() -> int:
@@ -99,6 +108,8 @@ class Server:
 def server_runs(args, prompts: list[str], gen: int) -> dict:
     out = {}
     for name, concurrent in (("server_seq", False), ("server_conc", True)):
+        if name not in args.runs:
+            continue
         server = Server(args.server, args.model_path, args.threads, args.server_args)
         try:
             t0 = time.perf_counter()
@@ -128,6 +139,8 @@ def server_runs(args, prompts: list[str], gen: int) -> dict:
 def our_runs(args, model: Model, document: str, specs: list[BranchSpec]) -> dict:
     out = {}
     for mode in ("shared", "copy"):
+        if f"ours_{mode}" not in args.runs:
+            continue
         t0 = time.perf_counter()
         res = run_fanout(model, document, specs, mode=mode, cache=False, n_threads=args.threads)
         total = (time.perf_counter() - t0) * 1e3
@@ -143,25 +156,31 @@ def one_config(args, model, document, n: int, gen: int) -> dict:
     specs = [BranchSpec(QUESTIONS[i % len(QUESTIONS)] + ("" if i < len(QUESTIONS) else f" ({i})"),
                         max_tokens=gen) for i in range(n)]
     runs = our_runs(args, model, document, specs)
-    prompts = runs["ours_shared"].pop("prompts")
-    runs["ours_copy"].pop("prompts")
+    prompts = [r.pop("prompts") for r in runs.values()][0]
     runs.update(server_runs(args, prompts, gen))
-    ours, peer = runs["ours_shared"], runs["server_seq"]
+
+    def ratio(slow: str, fast: str):
+        return runs[slow]["total_ms"] / runs[fast]["total_ms"] if slow in runs and fast in runs else None
+
+    def same(a: str, b: str, strip: bool):
+        if a not in runs or b not in runs:
+            return None
+        return sum((x.strip() == y.strip()) if strip else (x == y) for x, y in zip(runs[a]["texts"], runs[b]["texts"]))
+
     row = {"n": n, "gen": gen,
            **{f"{k}_total_ms": v["total_ms"] for k, v in runs.items()},
            **{f"{k}_prefill_ms": v["prefill_ms"] for k, v in runs.items()},
            **{f"{k}_mean_answer_ms": v["mean_answer_ms"] for k, v in runs.items()},
            # Answers of different lengths take different times: compare totals with these.
            **{f"{k}_generated_tokens": v["generated_tokens"] for k, v in runs.items()},
-           "speedup_shared_vs_server_seq": peer["total_ms"] / ours["total_ms"],
-           "speedup_shared_vs_server_conc": runs["server_conc"]["total_ms"] / ours["total_ms"],
-           "speedup_copy_vs_server_seq": peer["total_ms"] / runs["ours_copy"]["total_ms"],
-           "texts_equal_shared_vs_server_seq": sum(a.strip() == b.strip() for a, b in zip(ours["texts"], peer["texts"])),
-           "texts_equal_shared_vs_copy": sum(a == b for a, b in zip(ours["texts"], runs["ours_copy"]["texts"]))}
-    log(f"N={n:>2} gen={gen:>3}: ours shared {ours['total_ms'] / 1e3:6.1f} s, copy "
-        f"{runs['ours_copy']['total_ms'] / 1e3:6.1f} s | llama-server seq {peer['total_ms'] / 1e3:6.1f} s, "
-        f"conc {runs['server_conc']['total_ms'] / 1e3:6.1f} s | shared/server-seq "
-        f"{row['speedup_shared_vs_server_seq']:.2f}x, same text {row['texts_equal_shared_vs_server_seq']}/{n}")
+           "speedup_shared_vs_server_seq": ratio("server_seq", "ours_shared"),
+           "speedup_shared_vs_server_conc": ratio("server_conc", "ours_shared"),
+           "speedup_copy_vs_server_seq": ratio("server_seq", "ours_copy"),
+           "texts_equal_shared_vs_server_seq": same("ours_shared", "server_seq", strip=True),
+           "texts_equal_shared_vs_copy": same("ours_shared", "ours_copy", strip=False)}
+    times = ", ".join(f"{k} {v['total_ms'] / 1e3:.1f} s" for k, v in runs.items())
+    log(f"N={n:>2} gen={gen:>3}: {times} | shared/server-seq {row['speedup_shared_vs_server_seq'] or 0:.2f}x, "
+        f"same text {row['texts_equal_shared_vs_server_seq']}/{n}")
     return {"row": row, "texts": {k: v["texts"] for k, v in runs.items()}}
 
 
@@ -176,7 +195,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ns = [r["n"] for r in rs]
         for key, label in (("ours_shared", "ours, shared"), ("ours_copy", "ours, copy"),
                            ("server_seq", "llama-server, sequential"), ("server_conc", "llama-server, concurrent")):
-            ax.plot(ns, [r[f"{key}_total_ms"] / 1e3 for r in rs], marker="o", label=label)
+            if f"{key}_total_ms" in rs[0]:
+                ax.plot(ns, [r[f"{key}_total_ms"] / 1e3 for r in rs], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("branches / requests (N)")
         ax.set_ylabel("end-to-end (s)")
@@ -196,11 +216,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen", default="8,32,128", help="answer lengths (default 8,32,128)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--server", type=Path, default=None,
-                    help="llama-server binary (default: PREFIX/tools/llama-server from ./build_llama.sh --tools)")
+                    help="llama-server binary (default: PREFIX/tools-stock/llama-server, stock llama.cpp from ./build_llama.sh --tools)")
     ap.add_argument("--server-arg", dest="server_args", action="append", default=[],
                     help="extra llama-server flag (repeatable); default: its own defaults")
+    ap.add_argument("--runs", default=",".join(RUNS),
+                    help=f"which sides to run, comma-separated (default all: {','.join(RUNS)}); "
+                         "ratios need both of their sides")
     ap.add_argument("--out", type=Path, default=Path("bench/results/peer"))
     args = ap.parse_args(argv)
+    args.runs = [r for r in args.runs.split(",") if r]
+    unknown = sorted(set(args.runs) - set(RUNS))
+    if unknown or not any(r.startswith("ours_") for r in args.runs):
+        ap.error(f"--runs: unknown {unknown}; choose from {','.join(RUNS)}, at least one ours_*")
     args.server = args.server or library.tool_path("llama-server")
     if not args.server.exists():
         print(f"swarmkv bench peer: {args.server} not found; build it with ./build_llama.sh --tools",
@@ -222,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(result["row"])
                 texts[f"n{n}_gen{gen}"] = result["texts"]
                 report = {"model": args.model, "document_tokens": args.tokens, "threads": args.threads,
+                          "runs": args.runs, "build": build_info(),
                           "server": str(args.server), "server_args": args.server_args,
                           "argv": sys.argv, "rows": rows, "texts": texts}
                 (args.out / "peer.json").write_text(json.dumps(report, indent=2) + "\n")
