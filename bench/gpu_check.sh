@@ -64,14 +64,14 @@ fi
 cat "$out/device.log" >&2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/gpu.csv" 2>/dev/null || true
 
-step kernel_tests env SWARMKV_TEST_GPU=1 "$py" -m pytest -q tests/test_kernels.py
+step kernel_tests env SWARMKV_TEST_GPU=1 "$py" -m pytest -q tests/test_kernels.py -k "not gpu_check"
 step streamer_default "$py" -m swarmkv_ffi.kernels.demo --json
 step streamer_balance "$py" -m swarmkv_ffi.kernels.demo --balance --no-bandwidth
 cp "$out/streamer_default.log" "$out/layer_stream_default.json"
 if [ "${SKIP_LLAMA:-0}" != 1 ]; then
     cuda_prefix="${SWARMKV_CACHE:-$HOME/.cache/swarmkv-ffi}/libllama-cuda"
     step llama_cuda_build ./build_llama.sh --cuda --cuda-arch "${CUDA_ARCH:-90}" --prefix "$cuda_prefix"
-    step fanout_cuda env SWARMKV_LIBLLAMA="$cuda_prefix/lib" .venv/bin/swarmkv fanout --json \
+    step fanout_cuda env SWARMKV_LIBLLAMA="$cuda_prefix/lib" "$py" -m swarmkv_ffi.cli fanout --json \
         --doc examples/apache-2.0.txt --ask "Can I sell copies of the software?" \
         --ask "Do I have to include the NOTICE file?" --max-tokens 32
 fi
