@@ -15,6 +15,7 @@ Layouts follow ggml's, fastest dimension last in numpy:
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -82,6 +83,24 @@ def _load():
         lib.ggml_cpu_init()
         _lib = lib
     return _lib
+
+
+MODES = {"auto": 0, "off": 1, "on": 2}
+
+
+@contextlib.contextmanager
+def shared_kernel(mode: str):
+    """Process-wide choice of the flash-attention kernel for everything computed inside
+    the block (llama_decode included): "auto" (the patch's default rule), "off" (stock
+    ggml kernels; exact mode then runs ggml's reference kernel) or "on" (the
+    shared-prefix kernel wherever it applies). Like GGML_FA_SHARED, for comparisons."""
+    lib = _load()
+    with _lock:
+        lib.ggml_cpu_set_fa_shared(MODES[mode])
+        try:
+            yield
+        finally:
+            lib.ggml_cpu_set_fa_shared(-1)
 
 
 def _fill(lib, tensor, values: np.ndarray, type_name: str) -> None:

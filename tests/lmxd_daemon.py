@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from swarmkv_ffi.conductor.client import LmxClient
+from swarmkv_ffi.errors import SwarmKVError
 
 SYSTEM_PYTHON = "/usr/bin/python3"  # readable by other users, unlike a venv under /root
 
@@ -61,6 +62,22 @@ class Daemon:
             self.proc.send_signal(signal.SIGTERM)
             return self.proc.wait(timeout=60)
         return self.proc.returncode
+
+
+def eventually(check, timeout: float = 60, what: str = "the daemon to catch up"):
+    """check() until it returns something true without raising; its value. Polls the
+    daemon's own state instead of sleeping and hoping it has caught up."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            got = check()
+            if got:
+                return got
+        except (OSError, AssertionError, ValueError, SwarmKVError):
+            if time.monotonic() >= deadline:
+                raise
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 def wait_decoding(daemon: "Daemon", agent_id: str, timeout: float = 120) -> dict:

@@ -20,7 +20,7 @@ import pytest
 from swarmkv_ffi import catalog
 from swarmkv_ffi.conductor import protocol
 from swarmkv_ffi.conductor.client import LmxError
-from lmxd_daemon import SYSTEM_PYTHON, Daemon, wait_decoding
+from lmxd_daemon import SYSTEM_PYTHON, Daemon, eventually, wait_decoding
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -89,14 +89,15 @@ def test_running_out_of_descriptors_is_not_fatal(tmp_path):
                 held.append(connect(d))
             except (OSError, TimeoutError):
                 break
-        time.sleep(1.0)
+        eventually(lambda: "accept failed" in d.logs(), what="the daemon to log its failed accept()")
         assert d.proc.poll() is None, "the daemon died when accept() hit EMFILE"
         for s in held:
             s.close()
-        time.sleep(0.5)
-        with d.client() as c:
-            assert c.status()["fields"]["agents"] == "0"
-        assert "accept failed" in d.logs()
+
+        def status_agents():
+            with d.client() as c:
+                return c.status()["fields"]["agents"]
+        assert eventually(status_agents, what="a free descriptor after the others closed") == "0"
     finally:
         d.stop()
 
@@ -111,9 +112,11 @@ def test_max_clients_answers_busy(tmp_path):
         line = third.makefile("rb").readline().decode()
         assert line.startswith("ERR BUSY 2 clients connected")
         a.close()
-        time.sleep(0.3)
-        with d.client() as c:
-            assert c.status()
+
+        def served():
+            with d.client() as c:
+                return c.status()
+        assert eventually(served, what="the daemon to notice the closed client")
         b.close()
 
 

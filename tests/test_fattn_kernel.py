@@ -150,11 +150,15 @@ def test_a_row_does_not_depend_on_where_its_cells_sit():
     assert np.array_equal(plain[0, 0], shared[0, b])
 
 
-def test_auto_takes_the_new_kernel_for_two_rows_and_stock_for_one():
+@pytest.mark.parametrize("n_tok,n_kv,dk,want", [(2, 600, 256, "shared"), (1, 600, 64, "shared"),
+                                               (1, 600, 256, "stock"), (1, 64, 64, "stock")])
+def test_auto_picks_the_kernel_the_patch_header_names(n_tok, n_kv, dk, want):
+    """Default mode: the new kernel for >= 2 query tokens, and for one over >= 128 cells
+    with head size <= 128; ggml's stock kernels otherwise."""
     rng = np.random.default_rng(23)
-    q, k, v = make(rng, n_head=4, n_head_kv=2, n_tok=2, n_kv=600, dk=64)
-    mask = causal(1, 2, 600, 598)
-    assert np.array_equal(fattn.flash_attn(q, k, v, mask, kernel="auto", scale=0.125),
-                          fattn.flash_attn(q, k, v, mask, kernel="shared", scale=0.125))
-    one = fattn.flash_attn(q[:, :, :1], k, v, mask[:, :1], kernel="auto", scale=0.125)
-    assert np.array_equal(one, fattn.flash_attn(q[:, :, :1], k, v, mask[:, :1], kernel="stock", scale=0.125))
+    q, k, v = make(rng, n_head=4, n_head_kv=2, n_tok=n_tok, n_kv=n_kv, dk=dk)
+    mask = causal(1, n_tok, n_kv, n_kv - n_tok)
+    auto = fattn.flash_attn(q, k, v, mask, kernel="auto", scale=dk ** -0.5, n_threads=2)
+    assert np.array_equal(auto, fattn.flash_attn(q, k, v, mask, kernel=want, scale=dk ** -0.5, n_threads=2))
+    other = "stock" if want == "shared" else "shared"
+    assert not np.array_equal(auto, fattn.flash_attn(q, k, v, mask, kernel=other, scale=dk ** -0.5, n_threads=2))
