@@ -151,10 +151,11 @@ def test_a_row_does_not_depend_on_where_its_cells_sit():
 
 
 @pytest.mark.parametrize("n_tok,n_kv,dk,want", [(2, 600, 256, "shared"), (1, 600, 64, "shared"),
-                                               (1, 600, 256, "stock"), (1, 64, 64, "stock")])
+                                               (64, 600, 64, "shared"), (1, 600, 256, "stock"),
+                                               (64, 600, 256, "stock"), (1, 64, 64, "stock")])
 def test_auto_picks_the_kernel_the_patch_header_names(n_tok, n_kv, dk, want):
-    """Default mode: the new kernel for >= 2 query tokens, and for one over >= 128 cells
-    with head size <= 128; ggml's stock kernels otherwise."""
+    """Default mode: with head size <= 128 the new kernel for >= 2 query tokens and for
+    one over >= 128 cells; with larger heads for 2..63 query tokens; stock otherwise."""
     rng = np.random.default_rng(23)
     q, k, v = make(rng, n_head=4, n_head_kv=2, n_tok=n_tok, n_kv=n_kv, dk=dk)
     mask = causal(1, n_tok, n_kv, n_kv - n_tok)
