@@ -60,7 +60,7 @@ int                   ggml_cpu_get_fa_shared(void);
 _ffi = FFI()
 _ffi.cdef(_CDEF)
 _lib = None
-_lock = threading.Lock()   # the kernel choice is process-wide in ggml
+_lock = threading.RLock()  # the kernel choice is process-wide in ggml; shared_kernel() may wrap flash_attn()
 
 #: Which kernel runs, as ggml_cpu_set_fa_shared takes it.
 KERNELS = {
