@@ -160,6 +160,7 @@ def _run(q, k, v, mask, *, scale: float, max_bias: float = 0.0, softcap: float =
         lib.ggml_build_forward_expand(graph, out)
         seconds = []
         with _lock:
+            previous = lib.ggml_cpu_get_fa_shared()   # a shared_kernel() block's choice, if any
             lib.ggml_cpu_set_fa_shared(mode)
             try:
                 plan = lib.ggml_graph_plan(graph, n_threads, _ffi.NULL)
@@ -174,7 +175,7 @@ def _run(q, k, v, mask, *, scale: float, max_bias: float = 0.0, softcap: float =
                     if status != 0:
                         raise RuntimeError(f"ggml_graph_compute returned status {status}")
             finally:
-                lib.ggml_cpu_set_fa_shared(-1)
+                lib.ggml_cpu_set_fa_shared(previous)
         res = np.frombuffer(_ffi.buffer(lib.ggml_get_data(out), lib.ggml_nbytes(out)), dtype=np.float32)
         return res.reshape(n_seq, n_tok, n_head, dv).copy(), seconds
     finally:
