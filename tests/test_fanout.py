@@ -74,9 +74,11 @@ def test_shared_mode_fast_default_agrees_on_first_tokens(any_model, baselines, r
           f"{same}/{len(QUESTIONS)} identical 16-token answers")
     # Fast kernels round differently with the batch (shared decodes the branches together,
     # the plain run alone; Gemma's Q4_K weights take gemm for 4+ rows, gemv for one), so
-    # bits and even argmax ties are not promised: only closeness, 5 % of the logits' range.
+    # bits and even argmax ties are not promised: only closeness, 10 % of the logits' range
+    # (Gemma measured up to 1.05 on a range of 20; a wrong cell or position moves logits
+    # by the whole range).
     scale = max(float(np.max(np.abs(w.first_logits))) for w in base.branches)
-    assert max(diffs) <= 0.05 * scale, (max(diffs), scale)
+    assert max(diffs) <= 0.10 * scale, (max(diffs), scale)
     assert all(b.fork_ms >= 0 for b in out.branches)      # timed, not judged: speed is a benchmark's job
     assert out.prefill_ms > 0
 
