@@ -39,15 +39,13 @@ def write_f16(path: Path, shape: Shape, seed: int = 0) -> Path:
     """The model in F16 (norms in F32), with a byte-level SentencePiece-style vocabulary
     padded to shape.n_vocab."""
     import gguf
+
+    from .tiny_gguf import add_vocabulary, vocabulary
     rng = np.random.default_rng(seed)
-    tt = gguf.TokenType
-    n_words = shape.n_vocab - 259
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + [f"\u2581w{i}" for i in range(n_words)]
-    types = [int(tt.UNKNOWN), int(tt.CONTROL), int(tt.CONTROL)] + [int(tt.BYTE)] * 256 + [int(tt.NORMAL)] * n_words
     head = shape.n_embd // shape.n_head
 
     w = gguf.GGUFWriter(str(path), arch="llama")
-    w.add_name("swarmkv random-weight model (llama-3.2-1b shapes; answers are meaningless)")
+    w.add_name("swarmkv random-weight model with a real model's shapes (answers are meaningless)")
     w.add_context_length(shape.n_ctx)
     w.add_embedding_length(shape.n_embd)
     w.add_block_count(shape.n_layer)
@@ -57,13 +55,7 @@ def write_f16(path: Path, shape: Shape, seed: int = 0) -> Path:
     w.add_rope_dimension_count(head)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16))
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(n_words)])
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    add_vocabulary(w, shape.n_vocab - len(vocabulary(0)[0]))
 
     def matrix(name: str, rows: int, cols: int) -> None:
         w.add_tensor(name, (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16))

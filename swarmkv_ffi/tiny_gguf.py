@@ -21,14 +21,28 @@ SPECIAL = ["<unk>", "<s>", "</s>"]
 N_WORDS = 61  # pads the vocabulary to 320 tokens
 
 
-def vocabulary() -> tuple[list[str], list[float], list[int]]:
-    """SentencePiece-style tokens: specials, all 256 bytes, a few words."""
+def vocabulary(n_words: int = N_WORDS) -> tuple[list[str], list[float], list[int]]:
+    """SentencePiece-style tokens: specials, all 256 bytes, n_words words."""
     import gguf
     tt = gguf.TokenType
-    tokens = SPECIAL + [f"<0x{b:02X}>" for b in range(256)] + [f"\u2581w{i}" for i in range(N_WORDS)]
-    types = [tt.UNKNOWN, tt.CONTROL, tt.CONTROL] + [tt.BYTE] * 256 + [tt.NORMAL] * N_WORDS
-    scores = [0.0] * 259 + [-float(i) for i in range(N_WORDS)]
+    tokens = SPECIAL + [f"<0x{b:02X}>" for b in range(256)] + [f"\u2581w{i}" for i in range(n_words)]
+    types = [tt.UNKNOWN, tt.CONTROL, tt.CONTROL] + [tt.BYTE] * 256 + [tt.NORMAL] * n_words
+    scores = [0.0] * 259 + [-float(i) for i in range(n_words)]
     return tokens, scores, [int(t) for t in types]
+
+
+def add_vocabulary(w, n_words: int = N_WORDS) -> int:
+    """Write vocabulary(n_words) and its special-token ids into GGUFWriter w; returns
+    the vocabulary's size."""
+    tokens, scores, types = vocabulary(n_words)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    return len(tokens)
 
 
 def write(path: str, seed: int = 0) -> str:
@@ -36,8 +50,6 @@ def write(path: str, seed: int = 0) -> str:
     import gguf
     q = gguf.GGMLQuantizationType
     rng = np.random.default_rng(seed)
-    tokens, scores, types = vocabulary()
-    n_vocab = len(tokens)
 
     w = gguf.GGUFWriter(path, arch="llama")
     w.add_name("swarmkv tiny test model")
@@ -50,13 +62,7 @@ def write(path: str, seed: int = 0) -> str:
     w.add_rope_dimension_count(N_EMBD // N_HEAD)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_1))
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    n_vocab = add_vocabulary(w)
 
     def matrix(name: str, rows: int, cols: int, qtype) -> None:
         data = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from .. import library
 from ..catalog import DEFAULT_MODEL, resolve
-from .measure import cpu_name, report_json
+from .measure import build_info, cpu_name, report_json
 from .tools import run_json_lines
 
 BUILDS = ("stock", "patched")
@@ -131,14 +131,12 @@ def main(argv=None) -> int:
             runs[build].append(batched_bench(build, model, args))
     rows = table(runs, args)
     print_table(rows)
-    manifest = library.read_manifest() or {}
     report = {
         "benchmark": "kernels", "machine": cpu_name(), "model": model.name,
         "settings": {"npp": args.npp, "npl": args.npl, "ntg": args.ntg, "kv_type": args.kv_type,
                      "flash_attn": "on", "n_batch": 2048, "n_ubatch": 512, "threads": args.threads,
                      "repeats": args.repeats, "pps": True, "kv_unified": True},
-        "build": {k: manifest.get(k) for k in ("llama_cpp_commit", "cpu_target", "cpu_features",
-                                               "patch_set", "patches", "build_flags")},
+        "build": build_info(),
         "rows": rows,
         "raw": runs,
     }

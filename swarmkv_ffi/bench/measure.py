@@ -68,6 +68,15 @@ def decode_loop(branches) -> dict:
     return {"tokens": tokens, "ms": ms, "tokens_per_s": tokens / (ms / 1e3) if ms > 0 else 0.0}
 
 
+def build_info() -> dict:
+    """What our side ran on, for result files: the libllama build's llama.cpp commit, CPU
+    target and features, patch set and flags (from its manifest)."""
+    from .. import library
+    m = library.read_manifest() or {}
+    return {k: m.get(k) for k in ("llama_cpp_commit", "cpu_target", "cpu_features", "patch_set", "patches",
+                                  "build_flags")}
+
+
 def cpu_name() -> str:
     """A folder-friendly name of this machine's CPU."""
     name = platform.processor() or platform.machine()

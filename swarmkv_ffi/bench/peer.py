@@ -34,7 +34,7 @@ from pathlib import Path
 from .. import catalog, library
 from ..fanout import BranchSpec, run_fanout
 from ..model import Model
-from .measure import document_of
+from .measure import build_info, document_of
 
 QUESTIONS = ["What is this document about?", "Who may use the work?", "What must be kept in copies?",
              "What is excluded?", "Can I sell copies?", "What happens if I sue?", "What is a Contribution?",
@@ -46,12 +46,6 @@ RUNS = ("ours_shared", "ours_copy", "server_seq", "server_conc")
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def build_info() -> dict:
-    """What our side ran on: the libllama build's commit, CPU target and patch set."""
-    m = library.read_manifest() or {}
-    return {k: m.get(k) for k in ("llama_cpp_commit", "cpu_target", "cpu_features", "patch_set", "patches")}
 
 
 def free_port() -> int:
