@@ -45,8 +45,9 @@ def add_vocabulary(w, n_words: int = N_WORDS) -> int:
     return len(tokens)
 
 
-def write(path: str, seed: int = 0) -> str:
-    """Write the model to `path` and return the path."""
+def write(path: str, seed: int = 0, claimed_layers: int | None = None) -> str:
+    """Write the model to `path` and return the path. claimed_layers: a block_count for
+    the header that the tensors do not have (a hostile file: libllama asserts on 1000)."""
     import gguf
     q = gguf.GGMLQuantizationType
     rng = np.random.default_rng(seed)
@@ -55,7 +56,7 @@ def write(path: str, seed: int = 0) -> str:
     w.add_name("swarmkv tiny test model")
     w.add_context_length(N_CTX)
     w.add_embedding_length(N_EMBD)
-    w.add_block_count(N_LAYER)
+    w.add_block_count(claimed_layers or N_LAYER)
     w.add_feed_forward_length(N_FF)
     w.add_head_count(N_HEAD)
     w.add_head_count_kv(N_HEAD)

@@ -2,6 +2,7 @@
 process, waited for, stopped with SIGTERM)."""
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -92,3 +93,57 @@ def wait_decoding(daemon: "Daemon", agent_id: str, timeout: float = 120) -> dict
                 return status
             assert time.monotonic() < deadline, f"{agent_id}'s DECODE never started"
             time.sleep(0.01)
+
+
+#: A client run as another uid, by a system python that cannot import this package
+#: (the venv may be unreadable to that uid): one request per argument, as JSON
+#: [line, [files to open as that user and send with it]]; prints each reply as a JSON list.
+AS_USER_CLIENT = r"""
+import json, os, socket, sys
+s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); f = s.makefile('rb')
+for arg in sys.argv[2:]:
+    line, files = json.loads(arg)
+    fds = []
+    try:
+        fds = [os.open(p, os.O_RDONLY) for p in files]
+    except OSError as exc:
+        print(json.dumps(["CLIENT_OPEN_FAILED " + exc.strerror])); continue
+    data = line.encode() + b'\n'
+    if fds:
+        socket.send_fds(s, [data], fds)
+    else:
+        s.sendall(data)
+    for fd in fds:
+        os.close(fd)
+    reply, body = [], False
+    while True:
+        r = f.readline().decode().rstrip('\n')
+        reply.append(r)
+        if not r:
+            break
+        if body:
+            body = r != 'END_RESPONSE'
+        elif r == 'BEGIN_RESPONSE':
+            body = True
+        elif r == 'OK done' or r.startswith('ERR '):
+            break
+    print(json.dumps(reply), flush=True)
+"""
+
+
+def as_user(uid: int, daemon: "Daemon", *requests, timeout: float = 300) -> list[list[str]]:
+    """Send requests (a line, or (line, [files])) as `uid`; its replies, one list of lines each."""
+    import json
+    args = [json.dumps([r, []] if isinstance(r, str) else [r[0], list(map(str, r[1]))]) for r in requests]
+    done = subprocess.run([SYSTEM_PYTHON, "-c", AS_USER_CLIENT, str(daemon.path), *args], capture_output=True,
+                          text=True, timeout=timeout, preexec_fn=lambda: (os.setgid(uid), os.setuid(uid)))
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def shared_tmp(prefix: str) -> Path:
+    """A folder other uids can reach (pytest's tmp is 0700), removed by the caller."""
+    import tempfile
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    os.chmod(tmp, 0o755)
+    return tmp

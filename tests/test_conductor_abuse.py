@@ -20,7 +20,7 @@ import pytest
 from swarmkv_ffi import catalog
 from swarmkv_ffi.conductor import protocol
 from swarmkv_ffi.conductor.client import LmxError
-from lmxd_daemon import SYSTEM_PYTHON, Daemon, eventually, wait_decoding
+from lmxd_daemon import Daemon, eventually, wait_decoding
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -102,12 +102,23 @@ def test_running_out_of_descriptors_is_not_fatal(tmp_path):
         d.stop()
 
 
+def served_connection(d: Daemon) -> socket.socket:
+    """A connection the daemon answered (retried while the start-up probe's slot frees)."""
+    def attempt():
+        s = d.raw_socket()
+        try:
+            s.sendall(b"HELP\n")
+            if read_until_final(s)[-1] == "OK done":
+                return s
+        except OSError:
+            pass
+        s.close()
+    return eventually(attempt, what="a free client slot")
+
+
 def test_max_clients_answers_busy(tmp_path):
     with Daemon(tmp_path, "--max-clients", "2") as d:
-        a, b = d.raw_socket(), d.raw_socket()
-        for s in (a, b):
-            s.sendall(b"HELP\n")
-            read_until_final(s)
+        a, b = served_connection(d), served_connection(d)
         third = d.raw_socket()
         line = third.makefile("rb").readline().decode()
         assert line.startswith("ERR BUSY 2 clients connected")
@@ -262,37 +273,6 @@ def test_idle_agents_expire(tmp_path):
                 assert time.time() < deadline, "agent did not expire"
                 time.sleep(0.5)
             assert c.status()["fields"]["ledger_allocated_bytes"] == "0"
-
-
-@pytest.mark.skipif(os.getuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
-                    reason="needs root and a system python to connect as another uid")
-def test_other_users_see_and_touch_only_their_own_agents():
-    tmp = Path(tempfile.mkdtemp(prefix="lmxd-own-", dir="/tmp"))  # pytest's tmp is 0700
-    os.chmod(tmp, 0o755)
-    d = Daemon(tmp, "--allow-uid", "65534")
-    code = ("import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); f=s.makefile('rwb')\n"
-            "for line in sys.argv[2:]:\n"
-            "    s.sendall(line.encode()+b'\\n')\n"
-            "    while True:\n"
-            "        r=f.readline().decode().rstrip('\\n'); print(r)\n"
-            "        if r=='OK done' or r.startswith('ERR '): break\n")
-
-    def as_nobody(*lines):
-        return subprocess.run([SYSTEM_PYTHON, "-c", code, str(d.path), *lines], capture_output=True,
-                              text=True, timeout=120, preexec_fn=lambda: os.setuid(65534)).stdout
-    try:
-        with d.client() as c:
-            c.register("mine", "smollm2-135m", n_ctx=256)
-        out = as_nobody("STATUS", "LIST", "DECODE mine 2 hi", "RESET mine", "UNREGISTER mine",
-                        "REGISTER theirs smollm2-135m n_ctx=256", "LIST")
-        assert "OK invoke=LIST agents=0" in out and "OK agents=0 decode_queue=" in out
-        assert out.count("ERR FORBIDDEN agent mine belongs to another user") == 3
-        assert "agent_id=theirs" in out and "agent_id=mine" not in out
-        with d.client() as c:
-            assert {a["agent_id"] for a in c.list()} == {"mine", "theirs"}
-    finally:
-        d.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---- failure atomicity: a libllama failure in the middle of a DECODE (in process) ----------

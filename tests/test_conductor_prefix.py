@@ -1,4 +1,4 @@
-"""lmxd agents that start from one document (REGISTER prefix=PATH): the document is
+"""lmxd agents that start from one document (REGISTER prefix=@fd): the document is
 prefilled once for all of them, paused agents keep no KV of their own (one host copy of
 the document, rebuilt conversations), and a conversation rebuilt after a pause continues
 exactly as one that never paused."""
@@ -11,9 +11,10 @@ import pytest
 
 from corpus import LICENCE
 from lmxd_daemon import Daemon
+from swarmkv_ffi.conductor.access import Access
 from swarmkv_ffi.conductor.agents import ConductorError
 from swarmkv_ffi.conductor.client import LmxError
-from swarmkv_ffi.conductor.server import read_prefix
+from swarmkv_ffi.errors import SwarmKVError
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -87,30 +88,36 @@ def test_bad_prefixes_are_refused_and_leave_nothing(tmp_path, doc):
     (tmp_path / "dir").mkdir()
     with Daemon(tmp_path) as d, d.client() as c:
         before = c.status()["fields"]["ledger_allocated_bytes"]
-        for path, code in [(tmp_path / "missing.txt", "BAD_PREFIX"), (tmp_path / "latin1.txt", "BAD_PREFIX"),
-                           (tmp_path / "dir", "BAD_PREFIX"), (doc, "BAD_PREFIX")]:
+        for path in [tmp_path / "latin1.txt", tmp_path / "dir", Path("/proc/self/maps"), doc]:
             n_ctx = 256 if path == doc else 1024            # the document does not fit 256 cells
             with pytest.raises(LmxError) as exc:
                 c.register("x", "smollm2-135m", n_ctx=n_ctx, prefix=str(path))
-            assert exc.value.code == code, exc.value
+            assert exc.value.code == "BAD_PREFIX", exc.value
+        with pytest.raises(SwarmKVError, match="cannot open the prefix document"):
+            c.register("x", "smollm2-135m", prefix=str(tmp_path / "missing.txt"))   # refused here
+        with pytest.raises(LmxError) as exc:
+            c.request("REGISTER x smollm2-135m prefix=@fd")   # no descriptor came with the line
+        assert exc.value.code == "BAD_REQUEST" and "no file descriptor" in exc.value.message
         assert c.list() == [] and c.status()["fields"]["ledger_allocated_bytes"] == before
         with pytest.raises(LmxError) as exc:
             c.request("REGISTER x smollm2-135m prefix=")
         assert exc.value.code == "BAD_REQUEST"
 
 
-def test_only_files_the_user_may_read(tmp_path):
-    secret = tmp_path / "secret.txt"
-    secret.write_text("not yours")
-    os.chmod(secret, 0o600)
-    other_uid = os.getuid() + 4242
+def test_only_the_daemons_own_user_may_name_a_prefix_path(tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("a document")
+    access = Access(admin_uid=os.getuid())
+    assert access.prefix(str(doc), os.getuid(), []) == "a document"
     with pytest.raises(ConductorError) as exc:
-        read_prefix(str(secret), other_uid)
-    assert exc.value.code == "FORBIDDEN"
-    os.chmod(secret, 0o644)
-    assert read_prefix(str(secret), other_uid) == "not yours"
+        access.prefix(str(doc), os.getuid() + 4242, [])      # before anything is opened
+    assert exc.value.code == "FORBIDDEN" and "descriptor" in str(exc.value)
     link = tmp_path / "link.txt"
-    link.symlink_to(secret)
+    link.symlink_to(doc)
     with pytest.raises(ConductorError) as exc:
-        read_prefix(str(link), os.getuid())               # a final symlink is not followed
+        access.prefix(str(link), os.getuid(), [])            # a final symlink is not followed
     assert exc.value.code == "BAD_PREFIX"
+    fd = os.open(doc, os.O_RDONLY)
+    assert access.prefix("@fd", os.getuid() + 4242, [fd]) == "a document"   # and closed it
+    with pytest.raises(OSError):
+        os.fstat(fd)

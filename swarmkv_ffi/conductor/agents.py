@@ -5,15 +5,19 @@ live: A's KV state is captured into a host-RAM snapshot and its context freed; B
 context is created and B's saved state (if any) restored. Each agent's conversation
 persists across DECODEs, so an interrupted conversation continues exactly where it was.
 
-DECODEs take turns on the compute slot in arrival order (FIFO); REGISTER, STATUS and
-LIST never wait for it.
+Agents belong to the uid that registered them and are named within it: two users may
+both have an agent `a`, and every lookup is by (uid, id) at the moment of use, so no
+request can reach another user's agent or learn whether it exists. DECODEs take turns on
+the compute slot round-robin across users (slot.py), one slice of SLICE_TOKENS tokens
+per turn; REGISTER, STATUS and LIST never wait for it. Per-user quotas (quotas.py) cap
+what one user may take of the agents, the device budget and the swap budget.
 """
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,10 +27,13 @@ from ..errors import ModelLoadError, ModelNotFoundError, SwarmKVError
 from ..generate import generate
 from ..snapshot import Snapshot, tokens_hash
 from ..procmem import rss_bytes
+from . import sandbox
 from .estimate import Estimate, estimate
-from .ledger import Ledger
-from .modelfile import ModelFile, OpenModel, check_unchanged, fd_path
+from .ledger import Ledger, LedgerDenied
+from .modelfile import ModelFile, ModelSource, OpenModel, check_unchanged, fd_path
+from .quotas import UNLIMITED, Quotas
 from .registry import Loaded, ModelRegistry
+from .slot import FairSlot, SlotClosed
 
 AGENT_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
@@ -39,36 +46,12 @@ class ConductorError(SwarmKVError):
         self.code = code
 
 
-class FifoLock:
-    """A lock granted in arrival order, so DECODEs are served first come, first served."""
-
-    def __init__(self):
-        self._cv = threading.Condition()
-        self._queue: deque = deque()
-
-    def __enter__(self):
-        ticket = object()
-        with self._cv:
-            self._queue.append(ticket)
-            while self._queue[0] is not ticket:
-                self._cv.wait()
-        return self
-
-    def __exit__(self, *exc):
-        with self._cv:
-            self._queue.popleft()
-            self._cv.notify_all()
-
-    @property
-    def waiting(self) -> int:
-        with self._cv:
-            return max(0, len(self._queue) - 1)
-
-
 #: A paused prefix agent keeps no KV of its own when its tokens after the document are at
 #: most this many: it is rebuilt from the shared document and a re-decode of those tokens.
 REPLAY_MAX = 2048
 MAX_PREFIX_BYTES = 8 << 20
+#: Tokens a DECODE generates per turn on the slot before it lets another user's DECODE in.
+SLICE_TOKENS = 32
 
 
 @dataclass
@@ -76,10 +59,10 @@ class SharedPrefix:
     """A document that several agents of one model start from. Its KV is computed by the
     first agent that needs it and kept once in host RAM (booked once to the swap budget),
     for as long as one of its agents is registered."""
-    key: str
+    key: str                              # owner:model file:tokens hash (never shared across users)
     tokens: list[int]
     snapshot: Snapshot | None = None
-    agents: set[str] = field(default_factory=set)
+    agents: set[str] = field(default_factory=set)   # Agent.key of each
 
     @property
     def n_tokens(self) -> int:
@@ -103,6 +86,12 @@ class Agent:
     history: list[int] = field(default_factory=list)   # tokens whose KV is in the state
     pending: int | None = None            # last generated token, not yet decoded
     prefix: SharedPrefix | None = None    # the document it starts from (REGISTER prefix=)
+    replay: bool = False                  # paused without a snapshot: re-read history on resume
+
+    @property
+    def key(self) -> str:
+        """Unique across users: ledger keys and registry references use it."""
+        return f"{self.owner}:{self.id}"
 
     @property
     def tokens_in_context(self) -> int:
@@ -124,73 +113,103 @@ class DecodeResult:
 
 class Conductor:
     def __init__(self, ledger: Ledger, table: dict[str, int] | None = None, n_threads: int | None = None,
-                 swap: Ledger | None = None, agent_ttl: float = 0):
+                 swap: Ledger | None = None, agent_ttl: float = 0, quotas: Quotas = UNLIMITED,
+                 admin_uid: int | None = None):
         self.ledger, self.table = ledger, table or {}
         self.swap = swap or Ledger(lambda: 1 << 62, name="SWAP")   # host RAM for paused KV
-        self.agent_ttl = agent_ttl
+        self.agent_ttl, self.quotas = agent_ttl, quotas
+        self.admin = os.getuid() if admin_uid is None else admin_uid   # not held to the quotas
         self.registry = ModelRegistry()
-        self.agents: dict[str, Agent] = {}
-        self._pending: set[str] = set()        # ids being registered right now
+        self.agents: dict[tuple[int, str], Agent] = {}
+        self._pending: set[tuple[int, str]] = set()   # (owner, id) being registered right now
         self._lock = threading.Lock()
-        self.slot = FifoLock()
+        self._uid_gates: dict[int, threading.Lock] = {}
+        self.slot = FairSlot()
         self.live: tuple[Agent, Context] | None = None
-        self.decoding: str | None = None        # the agent whose DECODE holds the slot
+        self.decoding: Agent | None = None        # the agent whose DECODE holds the slot
         self.n_threads = n_threads
         self.prefixes: dict[str, SharedPrefix] = {}
+        self._deadline: float | None = None       # shutdown: the running DECODE stops then
 
     # ---- REGISTER / UNREGISTER ------------------------------------------------------------
-    def register(self, agent_id: str, model: str, n_ctx: int = 2048, owner: int = -1,
+    def register(self, agent_id: str, model: str | ModelSource, n_ctx: int = 2048, owner: int | None = None,
                  prefix: str | None = None) -> Agent:
         """estimate → reserve → load → slot; any failure after the reservation undoes it.
-        prefix: a document the agent starts from, shared with every agent of the same model
-        over the same text (its KV is computed once, at the first DECODE that needs it)."""
+        model: a short name or a path the daemon may open (the operator's), or a
+        ModelSource the server built. prefix: a document the agent starts from, shared
+        with every agent of the same owner and model over the same text (its KV is
+        computed once, at the first DECODE that needs it)."""
+        owner = self.admin if owner is None else owner
         if not AGENT_ID.match(agent_id):
             raise ConductorError("BAD_REQUEST", "agent_id must be 1-64 of [A-Za-z0-9_.:-]")
         if not 256 <= n_ctx <= 1 << 20:
             raise ConductorError("BAD_REQUEST", f"n_ctx must be in 256..1048576, got {n_ctx}")
+        ident = (owner, agent_id)
         with self._lock:
-            if agent_id in self.agents or agent_id in self._pending:
+            if ident in self.agents or ident in self._pending:
                 raise ConductorError("DUPLICATE_AGENT", f"agent {agent_id} is already registered")
-            self._pending.add(agent_id)
+            mine = sum(1 for o, _ in list(self.agents) + list(self._pending) if o == owner)
+            if owner != self.admin and mine >= self.quotas.agents:
+                raise ConductorError("QUOTA", f"uid {owner} has {mine} agents; the limit per user is "
+                                     f"{self.quotas.agents} (--max-agents-per-uid)")
+            self._pending.add(ident)
+            gate = self._uid_gates.setdefault(owner, threading.Lock())
         try:
-            agent = self._register(agent_id, model, n_ctx, owner)
+            with gate:   # one admission per user at a time: its share is checked against settled bookings
+                agent = self._register(agent_id, model, n_ctx, owner)
             if prefix is not None:
                 try:
                     self._attach_prefix(agent, prefix)
                 except BaseException:
-                    self.unregister(agent_id)
+                    self.unregister(agent_id, owner)
                     raise
             return agent
         finally:
             with self._lock:
-                self._pending.discard(agent_id)
+                self._pending.discard(ident)
 
-    def _register(self, agent_id: str, model: str, n_ctx: int, owner: int) -> Agent:
+    def _register(self, agent_id: str, model: str | ModelSource, n_ctx: int, owner: int) -> Agent:
+        source = model if isinstance(model, ModelSource) else self._trusted_source(model)
+        try:
+            with source.open() as (mf, fd):
+                facts = None if source.trusted else sandbox.check(mf, fd, owner, self._gid(owner))
+                est = self._estimate(source.name, mf, fd, n_ctx, facts)
+                with self.registry.gate(mf.key):
+                    loaded, measured = self._admit(f"{owner}:{agent_id}", owner, mf, fd, est, n_ctx)
+        except ModelLoadError as exc:
+            raise ConductorError("MODEL_LOAD_FAILED", str(exc)) from None
+        agent = Agent(agent_id, source.name, mf.path, n_ctx, loaded, est, mf, owner=owner,
+                      measured_bytes=measured)
+        with self._lock:
+            self.agents[(owner, agent_id)] = agent
+        return agent
+
+    @staticmethod
+    def _trusted_source(model: str) -> ModelSource:
+        """A name the daemon's own user gave: a catalog model, or a path it may open."""
         try:
             path = catalog.resolve(model)
         except ModelNotFoundError as exc:
             raise ConductorError("UNKNOWN_MODEL", str(exc)) from None
+        return ModelSource(model, Path(os.path.realpath(path)), trusted=model in catalog.CATALOG)
+
+    @staticmethod
+    def _gid(uid: int) -> int:
+        import pwd
         try:
-            with OpenModel(path) as (mf, fd):
-                est = self._estimate(model, mf, fd, n_ctx)
-                with self.registry.gate(mf.key):
-                    loaded, measured = self._admit(agent_id, mf, fd, est, n_ctx)
-        except ModelLoadError as exc:
-            raise ConductorError("MODEL_LOAD_FAILED", str(exc)) from None
-        agent = Agent(agent_id, model, path, n_ctx, loaded, est, mf, owner=owner, measured_bytes=measured)
-        with self._lock:
-            self.agents[agent_id] = agent
-        return agent
+            return pwd.getpwuid(uid).pw_gid
+        except KeyError:
+            return uid
 
     def _attach_prefix(self, agent: Agent, text: str) -> None:
         tokens = [int(t) for t in agent.loaded.model.tokenize(text)]
         if not tokens or len(tokens) + 16 > agent.n_ctx:
             raise ConductorError("BAD_PREFIX", f"the prefix document is {len(tokens)} tokens; "
                                  f"n_ctx={agent.n_ctx} leaves no room after it")
-        key = f"{agent.file.key}:{tokens_hash(tokens)}"
+        key = f"{agent.owner}:{agent.file.key}:{tokens_hash(tokens)}"
         with self._lock:
             shared = self.prefixes.setdefault(key, SharedPrefix(key, tokens))
-            shared.agents.add(agent.id)
+            shared.agents.add(agent.key)
             agent.prefix = shared
 
     def _release_prefix(self, agent: Agent) -> None:
@@ -198,25 +217,40 @@ class Conductor:
         if shared is None:
             return
         with self._lock:
-            shared.agents.discard(agent.id)
+            shared.agents.discard(agent.key)
             last = not shared.agents and self.prefixes.get(shared.key) is shared
             if last:
                 del self.prefixes[shared.key]
         if last:
             self.swap.release(f"prefix:{shared.key}")
 
-    def _admit(self, agent_id: str, mf: ModelFile, fd: int, est: Estimate, n_ctx: int) -> tuple[Loaded, int]:
-        """reserve → load → measure → book what was measured, all within the budget; any
-        failure undoes every step. The caller holds the model's gate, so whether its
-        weights are already booked cannot change under us."""
-        model_key, agent_key = f"model:{mf.key}", f"agent:{agent_id}"
+    def _cap(self, ledger: Ledger, share: float, owner: int) -> int | None:
+        return None if owner == self.admin else int(ledger.limit() * share)
+
+    def _weights_used_by(self, owner: int, also: str | None = None) -> int:
+        """The weights of every loaded model `owner`'s agents use (plus `also`): each user's
+        share is charged the full weights it relies on, shared or not."""
+        with self._lock:
+            keys = {a.file.key for a in self.agents.values() if a.owner == owner}
+        if also:
+            keys.add(also)
+        return sum(e.measured_bytes for k in keys if (e := self.registry.loaded(k)) is not None)
+
+    def _admit(self, ref: str, owner: int, mf: ModelFile, fd: int, est: Estimate,
+               n_ctx: int) -> tuple[Loaded, int]:
+        """reserve → load → measure → book what was measured, all within the budget and
+        the owner's share; any failure undoes every step. The caller holds the model's
+        gate, so whether its weights are already booked cannot change under us."""
+        model_key, agent_key = f"model:{mf.key}", f"agent:{ref}"
         shared = self.registry.loaded(mf.key) is not None
+        cap = self._cap(self.ledger, self.quotas.ledger_share, owner)
         # This agent's KV + compute, plus the weights unless another agent holds them. A
         # --vram-table figure has no split: a second agent reserves all of it again.
-        self.ledger.reserve(agent_key, est.agent_bytes if shared and est.agent_bytes else est.total)
+        self.ledger.reserve(agent_key, est.agent_bytes if shared and est.agent_bytes else est.total,
+                            cap=cap, base=self._weights_used_by(owner, mf.key))
         try:
             check_unchanged(mf, fd)
-            loaded, newly = self.registry.acquire(mf.key, fd_path(fd), agent_id, name=str(mf.path))
+            loaded, newly = self.registry.acquire(mf.key, fd_path(fd), ref, name=str(mf.path))
         except BaseException:
             self.ledger.release(agent_key)
             raise
@@ -230,18 +264,18 @@ class Conductor:
             bookings = {agent_key: measured}
             if newly:
                 bookings[model_key] = loaded.measured_bytes
-            self.ledger.settle(bookings)
+            self.ledger.settle(bookings, cap=cap, base=self._weights_used_by(owner, mf.key))
         except BaseException:
-            self.registry.release(mf.key, agent_id)
+            self.registry.release(mf.key, ref)
             self.ledger.release(agent_key)
             raise
         return loaded, measured
 
-    def _estimate(self, name: str, mf: ModelFile, fd: int, n_ctx: int) -> Estimate:
+    def _estimate(self, name: str, mf: ModelFile, fd: int, n_ctx: int, facts: dict | None) -> Estimate:
         override = self.table.get(name) or self.table.get(str(mf.path))
         if override:
             return Estimate(weights=override, kv=0, compute=0, source="table")
-        return estimate(mf, fd, n_ctx)
+        return estimate(mf, fd, n_ctx, facts)
 
     def _measure_context(self, loaded: Loaded, n_ctx: int, kv_estimate: int) -> int:
         """Create the agent's context once and decode one token in it, so the compute
@@ -267,10 +301,11 @@ class Conductor:
         return Context(loaded.model, n_ctx=n_ctx, n_batch=512, n_ubatch=512, flash_attn="on",
                        swa_full=True, batch_invariant=exact, **kw)
 
-    def unregister(self, agent_id: str) -> Agent:
-        with self.slot:  # never free a context in the middle of its decode
+    def unregister(self, agent_id: str, owner: int | None = None) -> Agent:
+        owner = self.admin if owner is None else owner
+        with self._slot_turn(owner):  # never free a context in the middle of its decode
             with self._lock:
-                agent = self.agents.pop(agent_id, None)
+                agent = self.agents.pop((owner, agent_id), None)
             if agent is None:
                 raise ConductorError("UNKNOWN_AGENT", f"no agent {agent_id}")
             if self.live and self.live[0] is agent:
@@ -278,9 +313,9 @@ class Conductor:
                 self.live = None
             self._drop_saved(agent)
             self._release_prefix(agent)
-        self.ledger.release(f"agent:{agent_id}")
+        self.ledger.release(f"agent:{agent.key}")
         with self.registry.gate(agent.file.key):
-            if self.registry.release(agent.file.key, agent_id):
+            if self.registry.release(agent.file.key, agent.key):
                 self.ledger.release(f"model:{agent.file.key}")
         return agent
 
@@ -290,72 +325,133 @@ class Conductor:
             return []
         cutoff = time.monotonic() - self.agent_ttl
         with self._lock:
-            stale = [a.id for a in self.agents.values() if a.last_used < cutoff]
+            stale = [a for a in self.agents.values() if a.last_used < cutoff]
         expired = []
-        for agent_id in stale:
+        for agent in stale:
             try:
-                self.unregister(agent_id)
-                expired.append(agent_id)
+                self.unregister(agent.id, agent.owner)
+                expired.append(agent.id)
             except ConductorError:
                 pass  # unregistered meanwhile
         return expired
 
-    def get(self, agent_id: str) -> Agent:
+    def get(self, agent_id: str, owner: int | None = None) -> Agent:
+        """`owner`'s agent `agent_id`; another user's agent of that name is not there."""
         with self._lock:
-            agent = self.agents.get(agent_id)
+            agent = self.agents.get((self.admin if owner is None else owner, agent_id))
         if agent is None:
             raise ConductorError("UNKNOWN_AGENT", f"no agent {agent_id}")
         return agent
 
+    def owned_by(self, uid: int | None) -> list[Agent]:
+        """uid's agents, or every agent (None)."""
+        with self._lock:
+            return [a for a in self.agents.values() if uid is None or a.owner == uid]
+
     # ---- DECODE / RESET ---------------------------------------------------------------------
-    def decode(self, agent_id: str, max_tokens: int, prompt: str, should_stop=None) -> DecodeResult:
+    def decode(self, agent_id: str, max_tokens: int, prompt: str, should_stop=None,
+               owner: int | None = None) -> DecodeResult:
+        """Continue the agent's conversation by up to max_tokens tokens, one slice per turn
+        on the slot. Cancelled (should_stop) or failed, it leaves the conversation exactly
+        as it was before this DECODE, whichever slice it was in."""
+        owner = self.admin if owner is None else owner
         if not 1 <= max_tokens <= 4096:
             raise ConductorError("BAD_REQUEST", f"max_tokens must be in 1..4096, got {max_tokens}")
-        with self.slot:
-            t0 = time.perf_counter_ns()
-            agent = self.get(agent_id)
-            agent.last_used = time.monotonic()
-            if should_stop and should_stop():
-                return DecodeResult(agent_id, 0, 0, False, 0.0, None, False, "", cancelled=True)
-            evicted, restored, ctx = self._swap_in(agent)
-            model = agent.loaded.model
-            new = model.tokenize(prompt, add_special=not agent.history and agent.pending is None)
-            tokens = ([agent.pending] if agent.pending is not None else []) + [int(t) for t in new]
-            if not tokens:
-                raise ConductorError("BAD_REQUEST", "the prompt is empty")
-            need = len(agent.history) + len(tokens) + max_tokens
-            if need > ctx.n_ctx:
-                raise ConductorError("CONTEXT_FULL", f"agent {agent_id}: {len(agent.history)} tokens in "
-                                     f"context + {len(tokens)} new + max_tokens {max_tokens} = {need} > "
-                                     f"n_ctx {ctx.n_ctx}; RESET it or register with a larger n_ctx")
-            before = len(agent.history)
-            self.decoding = agent_id
-            try:
-                gen = generate(ctx, tokens, max_tokens=max_tokens, pos0=before, should_stop=should_stop)
-            except BaseException as exc:
-                self._roll_back(agent, ctx, before, exc)
-                raise
-            finally:
-                self.decoding = None
-            if gen.cancelled:  # the client left: the conversation is as it was before
-                self._roll_back(agent, ctx, before)
-                return DecodeResult(agent_id, len(new), 0, False, 0.0, evicted, restored, "", cancelled=True)
-            # The last sampled token is in the KV only if another was sampled after it:
-            # after an end-of-generation stop all of them are; after max_tokens the last
-            # one waits to be decoded with the next prompt.
-            if gen.stopped_on_eog or not gen.tokens:
-                agent.history += tokens + gen.tokens
-                agent.pending = None
-            else:
-                agent.history += tokens + gen.tokens[:-1]
-                agent.pending = gen.tokens[-1]
-            return DecodeResult(agent_id, len(new), len(gen.tokens), gen.stopped_on_eog,
-                                (time.perf_counter_ns() - t0) / 1e6, evicted, restored, gen.text)
+        stop = lambda: bool(should_stop and should_stop()) or self._past_deadline()  # noqa: E731
+        t0, run = time.perf_counter_ns(), None
+        while True:
+            with self._slot_turn(owner):
+                agent = self.get(agent_id, owner)       # the owner's agent, looked up now
+                if run is not None and agent is not run.agent:
+                    raise ConductorError("UNKNOWN_AGENT", f"agent {agent_id} was unregistered during the DECODE")
+                agent.last_used = time.monotonic()
+                if run is None and stop():
+                    return DecodeResult(agent_id, 0, 0, False, 0.0, None, False, "", cancelled=True)
+                evicted, restored, ctx = self._swap_in(agent)
+                if run is None:
+                    run = self._begin(agent, ctx, prompt, max_tokens, evicted, restored)
+                if self._slice(run, ctx, stop):
+                    return run.result(agent_id, (time.perf_counter_ns() - t0) / 1e6)
 
-    def _roll_back(self, agent: Agent, ctx: Context, n_keep: int, cause: BaseException | None = None) -> None:
-        """Leave the live context holding exactly the agent's history (positions < n_keep),
-        so one failed DECODE cannot break the next one, this agent's or another's. If the
-        cells cannot be removed, the live state is dropped and the agent starts over."""
+    def _slot_turn(self, owner: int):
+        """A turn on the slot; a DECODE queued when the daemon stops is CANCELLED."""
+        return _Turn(self.slot, owner)
+
+    def _past_deadline(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
+    def _begin(self, agent: Agent, ctx: Context, prompt: str, max_tokens: int, evicted, restored) -> "_Run":
+        new = agent.loaded.model.tokenize(prompt, add_special=not agent.history and agent.pending is None)
+        tokens = ([agent.pending] if agent.pending is not None else []) + [int(t) for t in new]
+        if not tokens:
+            raise ConductorError("BAD_REQUEST", "the prompt is empty")
+        need = len(agent.history) + len(tokens) + max_tokens
+        if need > ctx.n_ctx:
+            raise ConductorError("CONTEXT_FULL", f"agent {agent.id}: {len(agent.history)} tokens in "
+                                 f"context + {len(tokens)} new + max_tokens {max_tokens} = {need} > "
+                                 f"n_ctx {ctx.n_ctx}; RESET it or register with a larger n_ctx")
+        return _Run(agent, len(new), tokens, max_tokens, len(agent.history), agent.pending,
+                    self._evicted_for(agent, evicted), restored)
+
+    def _evicted_for(self, agent: Agent, evicted: Agent | None) -> str | None:
+        """The agent swapped out, as the requester may see it: another user's agent is
+        only 'another-user', never its id."""
+        if evicted is None:
+            return None
+        return evicted.id if evicted.owner == agent.owner or agent.owner == self.admin else "another-user"
+
+    def _slice(self, run: "_Run", ctx: Context, stop) -> bool:
+        """Generate up to SLICE_TOKENS tokens (more while no other user waits); commit them
+        to the agent's history. True when the DECODE is complete (or cancelled)."""
+        agent = run.agent
+        self.decoding = agent
+        taken, yielded = [0], []
+
+        def pause() -> bool:     # asked before each token is sampled
+            if stop():
+                return True
+            if taken[0] >= SLICE_TOKENS and self.slot.others_waiting(agent.owner):
+                yielded.append(True)
+                return True
+            taken[0] += 1
+            return False
+        try:
+            gen = generate(ctx, run.tokens, max_tokens=run.left, pos0=len(agent.history), should_stop=pause)
+        except BaseException as exc:
+            self._roll_back(run, ctx, exc)
+            raise
+        finally:
+            self.decoding = None
+        if gen.cancelled and not yielded:   # the client left, or the daemon is stopping
+            self._roll_back(run, ctx)
+            run.cancelled = True
+            return True
+        if yielded:   # the last token was decoded already: drop its cell, keep it pending
+            ctx.seq_rm(0, len(agent.history) + len(run.tokens) + len(gen.tokens) - 1, -1)
+        # The last sampled token is in the KV only if another was sampled after it:
+        # after an end-of-generation stop all of them are; otherwise the last one waits
+        # to be decoded with the next prompt (or the next slice).
+        if gen.stopped_on_eog or not gen.tokens:
+            agent.history += run.tokens + gen.tokens
+            agent.pending = None
+        else:
+            agent.history += run.tokens + gen.tokens[:-1]
+            agent.pending = gen.tokens[-1]
+        run.generated += gen.tokens
+        run.stopped_on_eog = gen.stopped_on_eog
+        run.slices += 1
+        if gen.stopped_on_eog or run.left == 0:
+            return True
+        run.tokens, agent.pending = [agent.pending], None
+        return False
+
+    def _roll_back(self, run: "_Run", ctx: Context, cause: BaseException | None = None) -> None:
+        """Leave the agent as it was before the DECODE began (its history, its pending
+        token) and the live context holding exactly that history, so one failed DECODE
+        cannot break the next one, this agent's or another's. If the cells cannot be
+        removed, the live state is dropped and the agent starts over."""
+        agent, n_keep = run.agent, run.n_history
+        agent.history, agent.pending = agent.history[:n_keep], run.pending
         try:
             ctx.seq_rm(0, n_keep, -1)
             if ctx.seq_pos_max(0) != n_keep - 1:
@@ -370,28 +466,19 @@ class Conductor:
         agent.state = "active"
 
     def _drop_saved(self, agent: Agent) -> None:
-        agent.saved = None
-        self.swap.release(f"swap:{agent.id}")
+        agent.saved, agent.replay = None, False
+        self.swap.release(f"swap:{agent.key}")
 
-    def _swap_in(self, agent: Agent) -> tuple[str | None, bool, Context]:
-        """Make `agent` the live one; returns (evicted agent id, restored?, its context)."""
+    def _swap_in(self, agent: Agent) -> tuple[Agent | None, bool, Context]:
+        """Make `agent` the live one; returns (evicted agent, restored?, its context)."""
         if self.live and self.live[0] is agent:
             return None, False, self.live[1]
         evicted = None
         if self.live:
             other, ctx = self.live
-            replayable = bool(other.history) and self._replayable(other)
-            if other.history and not replayable:
-                # Host RAM for the paused KV comes out of the swap budget, or nothing moves.
-                self.swap.reserve(f"swap:{other.id}", max(1, ctx.seq_state_size(0)))
-                try:
-                    other.saved = Snapshot.capture(ctx, 0, other.history)
-                except BaseException:
-                    self.swap.release(f"swap:{other.id}")
-                    raise
-            other.state = "suspended" if other.saved or replayable else "cold"
+            self._pause(other, ctx, for_owner=agent.owner)
             ctx.close()
-            self.live, evicted = None, other.id
+            self.live, evicted = None, other
         ctx = self._new_context(agent.loaded, agent.n_ctx, exact=agent.prefix is not None)
         restored = False
         try:
@@ -401,12 +488,38 @@ class Conductor:
                 restored = True
             elif agent.prefix is not None:
                 restored = self._start_from_prefix(agent, ctx)
+            elif agent.replay:
+                ctx.decode_tokens(agent.history, 0, logits_last=False)
+                agent.replay = False
         except BaseException:
             ctx.close()
             raise
         agent.state = "active"
         self.live = (agent, ctx)
         return evicted, restored, ctx
+
+    def _pause(self, other: Agent, ctx: Context, for_owner: int) -> None:
+        """Keep the live agent's KV in host RAM, booked to its owner's swap share. If that
+        share (or the budget) is full: the owner's own DECODE is refused
+        (SWAP_BUDGET_DENY); another user's goes ahead and the paused agent keeps only its
+        tokens, re-read at its next DECODE, so one user's hoard never blocks another."""
+        replayable = bool(other.history) and self._replayable(other)
+        if other.history and not replayable:
+            key = f"swap:{other.key}"
+            try:
+                self.swap.reserve(key, max(1, ctx.seq_state_size(0)),
+                                  cap=self._cap(self.swap, self.quotas.swap_share, other.owner))
+            except LedgerDenied:
+                if other.owner == for_owner:
+                    raise
+                other.replay = True
+            else:
+                try:
+                    other.saved = Snapshot.capture(ctx, 0, other.history)
+                except BaseException:
+                    self.swap.release(key)
+                    raise
+        other.state = "suspended" if other.saved or replayable or other.replay else "cold"
 
     def _replayable(self, agent: Agent) -> bool:
         """A prefix agent whose KV can be rebuilt from the shared document plus a
@@ -422,7 +535,8 @@ class Conductor:
         if p.snapshot is None:
             ctx.decode_tokens(p.tokens, logits_last=False)
             snap = Snapshot.capture(ctx, 0, p.tokens)
-            self.swap.reserve(f"prefix:{p.key}", snap.nbytes)   # booked once, for all its agents
+            self.swap.reserve(f"prefix:{p.key}", snap.nbytes,        # booked once, for all its agents
+                              cap=self._cap(self.swap, self.quotas.swap_share, agent.owner))
             p.snapshot, restored = snap, False
         else:
             p.snapshot.restore(ctx, 0)
@@ -431,11 +545,13 @@ class Conductor:
             agent.history = list(p.tokens)
         elif len(agent.history) > p.n_tokens:
             ctx.decode_tokens(agent.history[p.n_tokens:], p.n_tokens, logits_last=False)
+        agent.replay = False
         return restored
 
-    def reset(self, agent_id: str) -> None:
-        with self.slot:
-            agent = self.get(agent_id)
+    def reset(self, agent_id: str, owner: int | None = None) -> None:
+        owner = self.admin if owner is None else owner
+        with self._slot_turn(owner):
+            agent = self.get(agent_id, owner)
             agent.last_used = time.monotonic()
             if self.live and self.live[0] is agent:
                 if agent.prefix is not None:   # back to the document: the next DECODE reloads it
@@ -447,10 +563,70 @@ class Conductor:
             self._drop_saved(agent)
             agent.state = "active" if self.live and self.live[0] is agent else "cold"
 
+    def shutdown(self, grace_s: float) -> None:
+        """Stop: queued DECODEs are CANCELLED now, the running one within grace_s (rolled
+        back like a disconnect)."""
+        self._deadline = time.monotonic() + grace_s
+        self.slot.close()
+
     def close(self) -> None:
-        with self.slot:
-            if self.live:
-                self.live[1].close()
-                self.live = None
-        for agent_id in list(self.agents):
-            self.unregister(agent_id)
+        """Free everything (after shutdown, or in-process use)."""
+        with self._lock:
+            agents = list(self.agents.values())
+            self.agents.clear()
+        if self.live:
+            self.live[1].close()
+            self.live = None
+        for agent in agents:
+            self._drop_saved(agent)
+            self._release_prefix(agent)
+            self.ledger.release(f"agent:{agent.key}")
+            with self.registry.gate(agent.file.key):
+                if self.registry.release(agent.file.key, agent.key):
+                    self.ledger.release(f"model:{agent.file.key}")
+
+
+class _Turn:
+    """`with _Turn(slot, uid):` a turn on the slot; SlotClosed becomes CANCELLED."""
+
+    def __init__(self, slot: FairSlot, uid: int):
+        self._cm = slot.turn(uid)
+
+    def __enter__(self):
+        try:
+            return self._cm.__enter__()
+        except SlotClosed:
+            raise ConductorError("CANCELLED", "the daemon is stopping; this request was not run") from None
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+
+@dataclass
+class _Run:
+    """One DECODE across its slices: what it started from (for a roll-back) and what it made."""
+    agent: Agent
+    prompt_tokens: int
+    tokens: list[int]                 # to decode at the next slice's start
+    max_tokens: int
+    n_history: int                    # the history's length before the DECODE
+    pending: int | None               # the pending token before the DECODE
+    evicted: str | None
+    restored: bool
+    generated: list[int] = field(default_factory=list)
+    stopped_on_eog: bool = False
+    cancelled: bool = False
+    slices: int = 0
+
+    @property
+    def left(self) -> int:
+        return self.max_tokens - len(self.generated)
+
+    def result(self, agent_id: str, elapsed_ms: float) -> DecodeResult:
+        if self.cancelled:
+            return DecodeResult(agent_id, self.prompt_tokens, 0, False, 0.0, self.evicted, self.restored, "",
+                                cancelled=True)
+        model = self.agent.loaded.model
+        text = b"".join(model.token_bytes(t) for t in self.generated).decode("utf-8", "replace")
+        return DecodeResult(agent_id, self.prompt_tokens, len(self.generated), self.stopped_on_eog,
+                            elapsed_ms, self.evicted, self.restored, text)

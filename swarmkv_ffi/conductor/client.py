@@ -3,16 +3,25 @@
     with LmxClient("/tmp/lmx.sock") as c:
         c.register("smol", "smollm2-135m", n_ctx=1024)
         print(c.decode("smol", 24, "Once upon a time")["text"])
+
+Files are opened here, with the caller's own credentials, and their descriptors sent to
+the daemon (SCM_RIGHTS): a model given as a path and every prefix document. The daemon
+never opens a path a client names (see docs/lmxd-security.md).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
+from pathlib import Path
 
+from .. import catalog
 from ..errors import SwarmKVError
 from .protocol import FINAL_OK
+
+FD_TOKEN = "@fd"
 
 
 class LmxError(SwarmKVError):
@@ -23,11 +32,33 @@ class LmxError(SwarmKVError):
         self.code, self.message = code, message
 
 
-def register_line(agent_id: str, model: str, n_ctx: int | None, prefix: str | None) -> str:
-    if prefix is not None and (not prefix or any(c.isspace() for c in prefix)):
-        raise ValueError(f"prefix path must be non-empty and without whitespace: {prefix!r}")
-    return (f"REGISTER {agent_id} {model}" + (f" n_ctx={n_ctx}" if n_ctx else "")
-            + (f" prefix={prefix}" if prefix else ""))
+def register_request(agent_id: str, model: str, n_ctx: int | None, prefix: str | None) -> tuple[str, list[int]]:
+    """The REGISTER line and the descriptors to send with it (the caller closes them).
+    A model that is not a packaged short name but an existing file is opened here; so
+    is the prefix document."""
+    fds: list[int] = []
+    try:
+        if model not in catalog.CATALOG and Path(model).expanduser().is_file():
+            fds.append(open_for_daemon(model, "model"))
+            model = FD_TOKEN
+        if prefix is not None:
+            if not prefix:
+                raise ValueError("prefix path must not be empty")
+            fds.append(open_for_daemon(prefix, "prefix document"))
+        line = (f"REGISTER {agent_id} {model}" + (f" n_ctx={n_ctx}" if n_ctx else "")
+                + (f" prefix={FD_TOKEN}" if prefix is not None else ""))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return line, fds
+
+
+def open_for_daemon(path: str, what: str) -> int:
+    try:
+        return os.open(Path(path).expanduser(), os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError as exc:
+        raise SwarmKVError(f"cannot open the {what} {path}: {exc.strerror}") from None
 
 
 class LmxClient:
@@ -51,10 +82,15 @@ class LmxClient:
     def __exit__(self, *exc):
         self.close()
 
-    def raw(self, line: str | bytes) -> list[str]:
-        """Send one request line; return the reply's lines (ERR replies included)."""
-        data = line if isinstance(line, bytes) else line.encode("utf-8")
-        self.sock.sendall(data.rstrip(b"\n") + b"\n")
+    def raw(self, line: str | bytes, fds: list[int] = ()) -> list[str]:
+        """Send one request line (with `fds`, SCM_RIGHTS); return the reply's lines (ERR
+        replies included)."""
+        data = (line if isinstance(line, bytes) else line.encode("utf-8")).rstrip(b"\n") + b"\n"
+        if fds:
+            sent = socket.send_fds(self.sock, [data], list(fds))
+            data = data[sent:]
+        if data:
+            self.sock.sendall(data)
         return self.read_reply()
 
     def read_reply(self) -> list[str]:
@@ -72,10 +108,10 @@ class LmxClient:
             elif line == FINAL_OK or line.startswith("ERR "):
                 return lines
 
-    def request(self, line: str) -> dict:
+    def request(self, line: str, fds: list[int] = ()) -> dict:
         """Send a request; parse the reply into {"fields": {...}, "lines": [...], "text": body}
         or raise LmxError."""
-        return parse_reply(self.raw(line))
+        return parse_reply(self.raw(line, fds))
 
     # ---- verbs ---------------------------------------------------------------------------------
     def help(self) -> str:
@@ -88,8 +124,14 @@ class LmxClient:
         return [dict(_pairs(line[3:])) for line in self.request("LIST")["lines"] if line.startswith("OK agent_id=")]
 
     def register(self, agent_id: str, model: str, n_ctx: int | None = None, prefix: str | None = None) -> dict:
-        """prefix: path (as the daemon sees it, no whitespace) of a document the agent starts from."""
-        return self.request(register_line(agent_id, model, n_ctx, prefix))
+        """model: a packaged short name, a file name in the daemon's --models-dir, or a
+        path of yours (opened here and sent). prefix: a document the agent starts from."""
+        line, fds = register_request(agent_id, model, n_ctx, prefix)
+        try:
+            return self.request(line, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def unregister(self, agent_id: str) -> dict:
         return self.request(f"UNREGISTER {agent_id}")
@@ -139,10 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list")
     r = sub.add_parser("register")
     r.add_argument("agent_id")
-    r.add_argument("model")
+    r.add_argument("model", help="a packaged short name, a file name in the daemon's --models-dir, "
+                   "or a path (opened here, with your permissions, and sent to the daemon)")
     r.add_argument("--n-ctx", type=int)
-    r.add_argument("--prefix", metavar="PATH", help="a document the agent starts from (shared with "
-                   "other agents of the model over the same document; path as the daemon sees it)")
+    r.add_argument("--prefix", metavar="PATH", help="a document the agent starts from (opened here and "
+                   "sent; shared with your other agents of the model over the same document)")
     for verb in ("unregister", "reset"):
         sub.add_parser(verb).add_argument("agent_id")
     d = sub.add_parser("decode")
@@ -157,14 +200,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.verb == "raw":
                 print("\n".join(c.raw(" ".join(args.line))))
                 return 0
-            line = {"help": "HELP", "status": "STATUS", "list": "LIST",
-                    "register": register_line(args.agent_id, args.model, args.n_ctx, args.prefix)
-                                if args.verb == "register" else "",
-                    "unregister": f"UNREGISTER {getattr(args, 'agent_id', '')}",
-                    "reset": f"RESET {getattr(args, 'agent_id', '')}",
-                    "decode": f"DECODE {getattr(args, 'agent_id', '')} {getattr(args, 'max_tokens', '')} "
-                              + " ".join(getattr(args, "prompt", []))}[args.verb]
-            reply = c.request(line)
+            if args.verb == "register":
+                reply = c.register(args.agent_id, args.model, args.n_ctx, args.prefix)
+            else:
+                line = {"help": "HELP", "status": "STATUS", "list": "LIST",
+                        "unregister": f"UNREGISTER {getattr(args, 'agent_id', '')}",
+                        "reset": f"RESET {getattr(args, 'agent_id', '')}",
+                        "decode": f"DECODE {getattr(args, 'agent_id', '')} {getattr(args, 'max_tokens', '')} "
+                                  + " ".join(getattr(args, "prompt", []))}[args.verb]
+                reply = c.request(line)
     except LmxError as exc:
         print(f"lmx: ERR {exc}", file=sys.stderr)
         return 1

@@ -78,9 +78,18 @@ def _facts(path: Path) -> dict:
     }
 
 
-def estimate(mf: ModelFile, fd: int, n_ctx: int) -> Estimate:
+def estimate(mf: ModelFile, fd: int, n_ctx: int, facts: dict | None = None) -> Estimate:
     """The GGUF-derived estimate for an opened, checked model file (modelfile.py); the
-    facts are cached per file identity, since reading a vocabulary is slow."""
+    facts are cached per file identity, since reading a vocabulary is slow. `facts`: the
+    header facts the sandbox read from an untrusted file (the daemon never parses it)."""
+    if facts is None:
+        facts = _trusted_facts(mf, fd)
+    kv = n_ctx * facts["n_layer"] * facts["n_head_kv"] * (facts["key_length"] + facts["value_length"]) * KV_BYTES
+    compute = 4 * N_UBATCH * (facts["n_vocab"] + 4 * facts["n_embd"] + facts["n_head"] * n_ctx)
+    return Estimate(weights=facts["weights"], kv=kv, compute=compute)
+
+
+def _trusted_facts(mf: ModelFile, fd: int) -> dict:
     with _lock:
         gate = _parsing.setdefault(mf.identity, threading.Lock())
     with gate:
@@ -90,9 +99,7 @@ def estimate(mf: ModelFile, fd: int, n_ctx: int) -> Estimate:
             facts = read_header(mf, fd, _facts)
             with _lock:
                 _cache[mf.identity] = facts
-    kv = n_ctx * facts["n_layer"] * facts["n_head_kv"] * (facts["key_length"] + facts["value_length"]) * KV_BYTES
-    compute = 4 * N_UBATCH * (facts["n_vocab"] + 4 * facts["n_embd"] + facts["n_head"] * n_ctx)
-    return Estimate(weights=facts["weights"], kv=kv, compute=compute)
+    return facts
 
 
 def load_table(path: str | Path) -> dict[str, int]:

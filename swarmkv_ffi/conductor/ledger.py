@@ -2,7 +2,11 @@
 
 lmxd keeps two: device memory (VRAM, or host RAM on a CPU-only machine) for weights,
 contexts and compute buffers, and host RAM for paused agents' KV snapshots (SWAP).
-Every booking in either goes through one check-and-add under one lock."""
+Every booking in either goes through one check-and-add under one lock.
+
+Keys name their owner: `agent:<uid>:<id>`, `swap:<uid>:<id>`, `prefix:<uid>:<key>`; the
+shared weights are `model:<file key>`. A booking may also be held to a per-user cap
+(quotas.py), checked under the same lock."""
 from __future__ import annotations
 
 import threading
@@ -44,14 +48,25 @@ class Ledger:
     def limit(self) -> int:
         return self._limit()
 
-    def reserve(self, key: str, nbytes: int) -> None:
-        """Hold `nbytes` under a new `key`, or raise LedgerDenied with the numbers."""
-        self.settle({key: nbytes}, new=True)
+    def held_by(self, uid: int) -> int:
+        """Bytes booked under keys that name `uid` as their owner."""
+        with self._lock:
+            return self._owned(uid)
 
-    def settle(self, bookings: dict[str, int], new: bool = False) -> None:
+    def _owned(self, uid: int) -> int:
+        return sum(n for key, n in self._held.items() if owner_of(key) == uid)
+
+    def reserve(self, key: str, nbytes: int, cap: int | None = None, base: int = 0) -> None:
+        """Hold `nbytes` under a new `key`, or raise LedgerDenied with the numbers."""
+        self.settle({key: nbytes}, new=True, cap=cap, base=base)
+
+    def settle(self, bookings: dict[str, int], new: bool = False, cap: int | None = None,
+               base: int = 0) -> None:
         """Set several keys at once if the total stays within the budget, else change
         nothing and raise LedgerDenied. A key already held keeps its booking unless
-        listed; `new=True` refuses keys that are already held."""
+        listed; `new=True` refuses keys that are already held. cap: the most the owner of
+        the first key may hold, counting `base` bytes charged to it from elsewhere (the
+        weights its agents use); exceeding it is denied with code=USER_SHARE."""
         for nbytes in bookings.values():
             if not isinstance(nbytes, int) or nbytes <= 0 or nbytes > MAX_BYTES:
                 raise ValueError(f"reservation must be a positive byte count below 2**62, got {nbytes!r}")
@@ -63,8 +78,21 @@ class Ledger:
             after = allocated + sum(n - self._held.get(k, 0) for k, n in bookings.items())
             if after > limit:
                 raise LedgerDenied(limit, allocated, after - allocated, name=self.name)
+            if cap is not None:
+                uid = owner_of(next(iter(bookings)))
+                own = base + self._owned(uid)
+                more = sum(n - self._held.get(k, 0) for k, n in bookings.items() if owner_of(k) == uid)
+                if own + more > cap:
+                    raise LedgerDenied(cap, own, more, reason="USER_SHARE", name=self.name)
             self._held.update(bookings)
 
     def release(self, key: str) -> int:
         with self._lock:
             return self._held.pop(key, 0)
+
+
+def owner_of(key: str) -> int | None:
+    """The uid a ledger key names (`kind:<uid>:…`), or None for shared bookings."""
+    kind, _, rest = key.partition(":")
+    uid = rest.partition(":")[0]
+    return int(uid) if kind != "model" and uid.lstrip("-").isdigit() else None

@@ -10,6 +10,7 @@ file's identity (device, inode, size, mtime) and never resolves the path again.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import stat
 import tempfile
@@ -34,25 +35,53 @@ class ModelFile:
         return "{}:{}:{}:{}".format(*self.identity)
 
 
-class OpenModel:
-    """`with OpenModel(path) as (mf, fd):` checks the file and keeps it open."""
+@dataclass
+class ModelSource:
+    """Where an agent's model comes from, as the daemon's access rules decided
+    (server.py): a file the daemon may open itself, or a descriptor the client sent.
+    Untrusted files (anything but a packaged catalog model) load in the sandbox first."""
+    name: str                      # as the client named it: messages, LIST
+    path: Path | None = None
+    fd: int = -1
+    trusted: bool = False
 
-    def __init__(self, path: Path):
+    def open(self) -> "OpenModel":
+        """The checked file; a sent descriptor passes to it (and is closed with it)."""
+        fd, self.fd = self.fd, -1
+        return OpenModel(self.path if fd < 0 else self.name, fd=fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class OpenModel:
+    """`with OpenModel(path) as (mf, fd):` checks the file and keeps it open.
+
+    `OpenModel(name, fd=N)` checks a descriptor a client sent instead (lmxd: the client
+    opened the file with its own credentials); it is closed on exit like an opened one.
+    A path's last component is never followed if it is a symlink: callers resolve first."""
+
+    def __init__(self, path: Path | str, fd: int = -1):
         self.path = Path(path)
-        self.fd = -1
+        self.fd = fd
 
     def __enter__(self) -> tuple[ModelFile, int]:
-        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
-        try:
-            self.fd = os.open(self.path, flags)
-        except OSError as exc:
-            raise ModelLoadError(f"cannot open {self.path}: {exc.strerror}") from None
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY | os.O_NOFOLLOW
+        if self.fd < 0:
+            try:
+                self.fd = os.open(self.path, flags)
+            except OSError as exc:
+                raise ModelLoadError(f"cannot open {self.path}: {exc.strerror}") from None
         try:
             st = os.fstat(self.fd)
             if not stat.S_ISREG(st.st_mode):
                 kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
                         else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a socket")
                 raise ModelLoadError(f"{self.path} is {kind}, not a regular GGUF file")
+            if on_pseudo_fs(self.fd):
+                raise ModelLoadError(f"{self.path} is on procfs or sysfs, not a GGUF file")
             if st.st_size < MIN_BYTES:
                 raise ModelLoadError(f"{self.path} is {st.st_size} bytes: too small to be a GGUF model")
             os.set_blocking(self.fd, True)
@@ -68,6 +97,22 @@ class OpenModel:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+PSEUDO_FS = {0x9FA0: "procfs", 0x62656572: "sysfs", 0x64626720: "debugfs", 0x74726163: "tracefs",
+             0x73636673: "securityfs", 0x27E0EB: "cgroup", 0x63677270: "cgroup2"}
+
+
+def on_pseudo_fs(fd: int) -> bool:
+    """True for a descriptor on procfs, sysfs and the like: "regular files" whose content
+    depends on who reads them, or that are checked only when read (fstatfs's f_type)."""
+    buf = ctypes.create_string_buffer(256)          # struct statfs; f_type is its first long
+    if _libc.fstatfs(fd, buf) != 0:
+        raise OSError(ctypes.get_errno(), "fstatfs failed")
+    return ctypes.c_long.from_buffer(buf).value in PSEUDO_FS
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def identity(st: os.stat_result) -> tuple[int, int, int, int]:

@@ -19,17 +19,18 @@ ERROR_CODES = {
     "UNKNOWN_VERB": "the first word is not a verb listed here",
     "LINE_TOO_LONG": "the line exceeds the daemon's cap (default 64 KiB); it was discarded",
     "UNKNOWN_AGENT": "no agent with that id",
-    "UNKNOWN_MODEL": "the model is neither a known short name nor an existing file",
+    "UNKNOWN_MODEL": "the model is not a packaged short name or a file in the daemon's --models-dir (send your own file as @fd)",
     "DUPLICATE_AGENT": "an agent with that id is already registered",
-    "VRAM_LEDGER_DENY": "code=CAP: the agent does not fit the memory budget (numbers follow)",
-    "MODEL_LOAD_FAILED": "the model file or its context could not be loaded",
+    "VRAM_LEDGER_DENY": "code=CAP: the agent does not fit the memory budget; code=USER_SHARE: nor your share of it (numbers follow)",
+    "MODEL_LOAD_FAILED": "the model file or its context could not be loaded (an untrusted file is tried in a sandbox first: signal=… says how it died)",
     "CONTEXT_FULL": "the conversation would exceed the agent's n_ctx; RESET it",
-    "BAD_PREFIX": "the prefix= document cannot be used: missing, not a readable regular file, not UTF-8, too big for n_ctx",
-    "FORBIDDEN": "the connecting user may not use this daemon, or the agent belongs to another user",
-    "BUSY": "the daemon serves its maximum number of clients; try again later",
-    "CANCELLED": "the request was stopped before it finished (the client disconnected); nothing changed",
-    "SWAP_BUDGET_DENY": "no host RAM left in the swap budget to keep a paused agent's KV (numbers follow)",
-    "IDLE_TIMEOUT": "the connection sent nothing for the idle timeout and was closed",
+    "BAD_PREFIX": "the prefix= document cannot be used: not a regular file, on procfs/sysfs, not UTF-8, too big for n_ctx",
+    "FORBIDDEN": "the connecting user may not use this daemon, or may not name paths (send descriptors)",
+    "QUOTA": "this user already has as many agents as one user may (--max-agents-per-uid)",
+    "BUSY": "the daemon, or your share of its connections, is full; try again later",
+    "CANCELLED": "the request was stopped before it finished (the client disconnected, or the daemon is stopping); nothing changed",
+    "SWAP_BUDGET_DENY": "no host RAM left in the swap budget (code=CAP) or your share of it (code=USER_SHARE) to keep your paused agent's KV",
+    "IDLE_TIMEOUT": "no complete request line arrived within the idle timeout; the connection was closed",
     "INTERNAL": "an unexpected failure; the daemon logged it and keeps running",
 }
 
@@ -37,14 +38,17 @@ HELP = [
     "HELP                                   this text",
     "STATUS                                 ledger, live device memory, models, uptime",
     "LIST                                   one line per agent",
-    "REGISTER <agent_id> <model> [n_ctx=N] [prefix=PATH]",
-    "                                       admit an agent (model: short name or path); prefix:",
-    "                                       a UTF-8 document it starts from, read once and shared",
-    "                                       by every agent of that model over the same document",
+    "REGISTER <agent_id> <model> [n_ctx=N] [prefix=@fd]",
+    "                                       admit an agent. model: a packaged short name, a file",
+    "                                       name in the daemon's --models-dir, or @fd (the file's",
+    "                                       descriptor, sent with this line by SCM_RIGHTS). prefix:",
+    "                                       a UTF-8 document the agent starts from (@fd, after the",
+    "                                       model's), shared by your agents of that model over it.",
+    "                                       The daemon's own user may also name paths.",
     "UNREGISTER <agent_id>                  remove an agent, free its reservation",
     "DECODE <agent_id> <max_tokens> <prompt...>  continue the agent's conversation",
     "RESET <agent_id>                       clear the agent's conversation",
-    "agent ids: 1-64 of [A-Za-z0-9_.:-]; model paths may not contain whitespace",
+    "agent ids: 1-64 of [A-Za-z0-9_.:-], named per user; model paths may not contain whitespace",
 ]
 
 
@@ -95,12 +99,12 @@ def parse(raw: bytes) -> Request:
     if verb == "REGISTER":
         parts = rest.split()
         if not 2 <= len(parts) <= 4:
-            raise ProtocolError("BAD_REQUEST", "usage: REGISTER <agent_id> <model> [n_ctx=N] [prefix=PATH]")
+            raise ProtocolError("BAD_REQUEST", "usage: REGISTER <agent_id> <model> [n_ctx=N] [prefix=@fd]")
         args = {"agent_id": parts[0], "model": parts[1], "n_ctx": 2048, "prefix": None}
         for option in parts[2:]:
             key, eq, value = option.partition("=")
             if key not in ("n_ctx", "prefix") or not eq or not value:
-                raise ProtocolError("BAD_REQUEST", f"unknown option {option[:32]!r} (n_ctx=N or prefix=PATH)")
+                raise ProtocolError("BAD_REQUEST", f"unknown option {escape(option[:32])} (n_ctx=N or prefix=@fd)")
             args[key] = _int("n_ctx", value) if key == "n_ctx" else value
         return Request(verb, args)
     if verb in ("UNREGISTER", "RESET"):

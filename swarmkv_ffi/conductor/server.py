@@ -1,13 +1,17 @@
 """lmxd: the conductor daemon on a Unix socket.
 
-One thread per client connection, at most --max-clients of them (the next one gets
-ERR BUSY); a connection idle for --idle-timeout seconds is closed. DECODEs queue in
-arrival order on the compute slot; STATUS, LIST and HELP never wait for it. The socket is
-created with mode 0600 and every peer's uid is checked (SO_PEERCRED); each agent belongs
-to the uid that registered it. Lines longer than the cap are answered with LINE_TOO_LONG
-and skipped without being stored. Running out of file descriptors or threads is answered,
-never fatal. SIGTERM/SIGINT stop the daemon cleanly and remove the socket; a stale socket
-file is reclaimed, a live daemon's is not.
+One thread per client connection, at most --max-clients of them and
+--max-clients-per-uid per user (the next one gets ERR BUSY); a connection that does not
+complete a request line within --idle-timeout seconds is closed. DECODEs take turns on
+the compute slot round-robin across users; STATUS, LIST and HELP never wait for it. The
+socket is created with mode 0600 and every peer's uid is checked (SO_PEERCRED); agents
+are named per uid and reachable only by it. Model files and prefix documents come as
+descriptors the client opened (access.py); untrusted models load in a sandboxed child
+first (sandbox.py). Lines longer than the cap are answered with LINE_TOO_LONG and skipped
+without being stored. Running out of file descriptors or threads is answered, never
+fatal. SIGTERM/SIGINT: stop accepting, cancel queued DECODEs, give the running one
+--shutdown-grace seconds, remove the socket if it is still ours. The security model:
+docs/lmxd-security.md.
 """
 from __future__ import annotations
 
@@ -27,15 +31,19 @@ from pathlib import Path
 
 from ..errors import SwarmKVError
 from . import protocol
-from .agents import MAX_PREFIX_BYTES, Conductor, ConductorError
+from .access import Access
+from .agents import Conductor, ConductorError
 from .estimate import load_table
 from .ledger import Ledger, LedgerDenied
+from .lines import IdleTimeout, LineReader, LineTooLong, close_all
 from .memory import DeviceMemory
+from .quotas import DEFAULT_AGENTS_PER_UID, DEFAULT_CLIENTS_PER_UID, DEFAULT_SHARE_PERCENT, Quotas
 
 log = logging.getLogger("lmxd")
 DEFAULT_LINE_CAP = 64 * 1024
 DEFAULT_MAX_CLIENTS = 256
 DEFAULT_IDLE_TIMEOUT = 900.0
+DEFAULT_SHUTDOWN_GRACE = 10.0
 GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
@@ -64,7 +72,7 @@ def client_gone(conn: socket.socket) -> bool:
         return True
 
 
-def bind_socket(path: Path, mode: int = 0o600) -> socket.socket:
+def bind_socket(path: Path, mode: int = 0o600) -> tuple[socket.socket, tuple[int, int]]:
     """Bind `path` with `mode`: reclaim a stale socket, refuse a live one or a non-socket."""
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
@@ -86,26 +94,47 @@ def bind_socket(path: Path, mode: int = 0o600) -> socket.socket:
         os.umask(old)
     os.chmod(path, mode)
     sock.listen(socket.SOMAXCONN)
-    return sock
+    st = path.lstat()
+    return sock, (st.st_dev, st.st_ino)
+
+
+def unlink_if_ours(path: Path, ours: tuple[int, int]) -> bool:
+    """Remove the socket file only if it is still the one we bound (another daemon may
+    have reclaimed the path since)."""
+    try:
+        st = path.lstat()
+        if (st.st_dev, st.st_ino) != ours:
+            return False
+        path.unlink()
+        return True
+    except FileNotFoundError:
+        return False
 
 
 class Server:
     def __init__(self, socket_path: Path, conductor: Conductor, memory: DeviceMemory,
                  allow_uids: set[int] | None = None, line_cap: int = DEFAULT_LINE_CAP,
-                 max_clients: int = DEFAULT_MAX_CLIENTS, idle_timeout: float = DEFAULT_IDLE_TIMEOUT):
+                 max_clients: int = DEFAULT_MAX_CLIENTS, idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+                 access: Access | None = None, shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE):
         self.path, self.conductor, self.memory = Path(socket_path), conductor, memory
-        self.allowed = {os.getuid()} | set(allow_uids or ())
+        self.admin = conductor.admin
+        self.allowed = {self.admin} | set(allow_uids or ())
         self.line_cap, self.max_clients, self.idle_timeout = line_cap, max_clients, idle_timeout
+        self.access = access or Access(self.admin)
+        self.shutdown_grace = shutdown_grace
         self._clients = threading.BoundedSemaphore(max_clients)
+        self._per_uid: dict[int, int] = {}
+        self._per_uid_lock = threading.Lock()
         self.started = time.time()
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
         self._threads: set[threading.Thread] = set()
+        self._conns: set[socket.socket] = set()
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def serve_forever(self) -> None:
         # Other allowed users need the file to be reachable; SO_PEERCRED is then the gate.
-        self._sock = bind_socket(self.path, 0o600 if self.allowed == {os.getuid()} else 0o666)
+        self._sock, ours = bind_socket(self.path, 0o600 if self.allowed == {os.getuid()} else 0o666)
         log.info("listening on %s (budget %d bytes, %s)", self.path, self.conductor.ledger.limit(),
                  self.memory.reading.source)
         self._sock.settimeout(0.2)
@@ -118,14 +147,25 @@ class Server:
                     self._start_client(conn)
         finally:
             self._sock.close()
-            try:
-                self.path.unlink()
-            except FileNotFoundError:
-                pass
-            log.info("stopped; socket removed")
+            self._drain()
+            removed = unlink_if_ours(self.path, ours)
+            log.info("stopped; %s", "socket removed" if removed else "the socket path is no longer ours: left it")
 
     def stop(self, *_signal) -> None:
         self._stop.set()
+
+    def _drain(self) -> None:
+        """Queued DECODEs are answered CANCELLED at once; the running one has the grace
+        period, then is cancelled (rolled back) too; then the clients are let go."""
+        self.conductor.shutdown(self.shutdown_grace)
+        for conn in list(self._conns):
+            try:
+                conn.shutdown(socket.SHUT_RD)     # idle readers see the end; replies still go out
+            except OSError:
+                pass
+        deadline = time.monotonic() + self.shutdown_grace + 5
+        for t in list(self._threads):
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _expire_agents(self) -> None:
         """Apart from the accept loop: unregistering waits for a running DECODE."""
@@ -149,69 +189,95 @@ class Server:
         return conn
 
     def _start_client(self, conn: socket.socket) -> None:
-        """One thread for the connection, or ERR BUSY when the daemon has no room for it."""
+        """One thread for the connection, or ERR BUSY when the daemon, or this user's
+        share of it, has no room for it."""
+        try:
+            uid = peer_uid(conn)
+        except OSError:
+            conn.close()
+            return
+        if uid not in self.allowed:
+            log.warning("refused connection from uid %d", uid)
+            self._refuse(conn, f"uid {uid} may not use this daemon", code="FORBIDDEN")
+            return
+        if not self._count_in(uid):
+            self._refuse(conn, f"uid {uid} has {self.conductor.quotas.clients} connections open "
+                               "(--max-clients-per-uid); close some first")
+            return
         if not self._clients.acquire(blocking=False):
+            self._count_out(uid)
             self._refuse(conn, f"{self.max_clients} clients connected (--max-clients); try again later")
             return
-        t = threading.Thread(target=self._serve_client, args=(conn,), daemon=True)
+        t = threading.Thread(target=self._serve_client, args=(conn, uid), daemon=True)
         self._threads.add(t)
         try:
             t.start()
         except RuntimeError as exc:  # "can't start new thread"
             self._threads.discard(t)
             self._clients.release()
+            self._count_out(uid)
             self._refuse(conn, f"cannot start a thread for this client ({exc})")
 
+    def _count_in(self, uid: int) -> bool:
+        with self._per_uid_lock:
+            n = self._per_uid.get(uid, 0)
+            if uid != self.admin and n >= self.conductor.quotas.clients:
+                return False
+            self._per_uid[uid] = n + 1
+            return True
+
+    def _count_out(self, uid: int) -> None:
+        with self._per_uid_lock:
+            self._per_uid[uid] -= 1
+            if not self._per_uid[uid]:
+                del self._per_uid[uid]
+
     @staticmethod
-    def _refuse(conn: socket.socket, why: str) -> None:
+    def _refuse(conn: socket.socket, why: str, code: str = "BUSY") -> None:
         log.warning("refused a client: %s", why)
         try:
             conn.settimeout(1.0)
-            conn.sendall(protocol.err("BUSY", why).encode())
+            conn.sendall(protocol.err(code, why).encode())
         except OSError:
             pass
         finally:
             conn.close()
 
     # ---- one client ----------------------------------------------------------------------------
-    def _serve_client(self, conn: socket.socket) -> None:
+    def _serve_client(self, conn: socket.socket, uid: int) -> None:
+        reader = LineReader(conn, self.line_cap, self.idle_timeout)
+        self._conns.add(conn)
         try:
-            uid = peer_uid(conn)
-            if uid not in self.allowed:
-                log.warning("refused connection from uid %d", uid)
-                conn.sendall(protocol.err("FORBIDDEN", f"uid {uid} may not use this daemon").encode())
-                return
-            if self.idle_timeout:
-                conn.settimeout(self.idle_timeout)
-            reader = conn.makefile("rb")
             while not self._stop.is_set():
                 try:
-                    line = reader.readline(self.line_cap + 1)
-                except socket.timeout:
-                    self._send(conn, protocol.err("IDLE_TIMEOUT", f"nothing received for {self.idle_timeout:g} s"))
+                    got = reader.read()
+                except IdleTimeout:
+                    self._send(conn, protocol.err("IDLE_TIMEOUT", f"no complete request line within "
+                                                  f"{self.idle_timeout:g} s"))
                     return
-                if not line:
-                    return
-                if len(line) > self.line_cap and not line.endswith(b"\n"):
-                    self._skip_line(reader)
+                except LineTooLong:
                     self._send(conn, protocol.err("LINE_TOO_LONG", f"line exceeds {self.line_cap} bytes"))
-                    log.info("- - LINE_TOO_LONG 0.0ms")
+                    log.info("%d - - LINE_TOO_LONG 0.0ms", uid)
                     continue
-                if not self._send(conn, self._answer(line.rstrip(b"\n"), conn, uid)):
+                if got is None:
+                    return
+                line, fds = got
+                conn.settimeout(None)
+                try:
+                    reply = self._answer(line, conn, uid, fds)
+                finally:
+                    close_all(fds)          # descriptors this line did not use
+                if not self._send(conn, reply):
                     return
         except OSError:
             pass
         finally:
+            reader.close()
+            self._conns.discard(conn)
             conn.close()
             self._threads.discard(threading.current_thread())
             self._clients.release()
-
-    def _skip_line(self, reader) -> None:
-        """Discard the rest of an over-long line, chunk by chunk, storing none of it."""
-        while True:
-            chunk = reader.readline(self.line_cap)
-            if not chunk or chunk.endswith(b"\n"):
-                return
+            self._count_out(uid)
 
     @staticmethod
     def _send(conn: socket.socket, text: str) -> bool:
@@ -221,13 +287,13 @@ class Server:
         except OSError:
             return False
 
-    def _answer(self, line: bytes, conn: socket.socket, uid: int) -> str:
+    def _answer(self, line: bytes, conn: socket.socket, uid: int, fds: list[int]) -> str:
         t0 = time.perf_counter()
         verb, agent, result = "-", "-", "OK"
         try:
-            req = protocol.parse(line)
+            req = protocol.parse(line.rstrip(b"\r"))
             verb, agent = req.verb, req.args.get("agent_id", "-")
-            reply = self._dispatch(req, conn, uid)
+            reply = self._dispatch(req, conn, uid, fds)
         except protocol.ProtocolError as exc:
             result, reply = exc.code, protocol.err(exc.code, str(exc))
         except ConductorError as exc:
@@ -237,21 +303,15 @@ class Server:
         except Exception as exc:  # the daemon outlives any one request
             log.exception("internal error on %s", verb)
             result, reply = "INTERNAL", protocol.err("INTERNAL", f"{type(exc).__name__}: {exc}")
-        log.info("%s %s %s %.1fms", verb, agent, result, (time.perf_counter() - t0) * 1e3)
+        log.info("%d %s %s %s %.1fms", uid, verb, agent, result, (time.perf_counter() - t0) * 1e3)
         return reply
 
     # ---- verbs -----------------------------------------------------------------------------------
     def _sees_all(self, uid: int) -> bool:
-        """The daemon's own user administers every agent; any other sees only its own."""
-        return uid == os.getuid()
+        """The daemon's own user sees every agent in LIST and STATUS; any other only its own."""
+        return uid == self.admin
 
-    def _owned(self, agent_id: str, uid: int):
-        agent = self.conductor.get(agent_id)
-        if agent.owner != uid and not self._sees_all(uid):
-            raise ConductorError("FORBIDDEN", f"agent {agent_id} belongs to another user")
-        return agent
-
-    def _dispatch(self, req: protocol.Request, conn: socket.socket, uid: int) -> str:
+    def _dispatch(self, req: protocol.Request, conn: socket.socket, uid: int, fds: list[int]) -> str:
         c, a = self.conductor, req.args
         if req.verb == "HELP":
             return protocol.help_reply()
@@ -259,34 +319,21 @@ class Server:
             return self._status(uid)
         if req.verb == "LIST":
             return self._list(uid)
-        if "agent_id" in a and req.verb != "REGISTER":
-            self._owned(a["agent_id"], uid)
         if req.verb == "REGISTER":
-            prefix = read_prefix(a["prefix"], uid) if a["prefix"] else None
-            agent = c.register(a["agent_id"], a["model"], a["n_ctx"], owner=uid, prefix=prefix)
-            e = agent.estimate
-            return protocol.ok("REGISTER", [
-                protocol.kv(estimate_bytes=e.total, weights_bytes=e.weights, kv_bytes=e.kv,
-                            compute_bytes=e.compute, estimate_source=e.source),
-                protocol.kv(reserved_bytes=c.ledger.held(f"agent:{agent.id}"),
-                            measured_context_bytes=agent.measured_bytes,
-                            model_refcount=agent.loaded.refs, shared_weights=agent.loaded.refs > 1),
-                protocol.kv(ledger_max_bytes=c.ledger.limit(), ledger_allocated_bytes=c.ledger.allocated),
-                protocol.kv(prefix=agent.prefix.key if agent.prefix else None,
-                            prefix_tokens=agent.prefix.n_tokens if agent.prefix else 0,
-                            prefix_agents=len(agent.prefix.agents) if agent.prefix else 0),
-            ], agent_id=agent.id, model=str(agent.path), n_ctx=agent.n_ctx)
+            return self._register(a, uid, fds)
         if req.verb == "UNREGISTER":
-            agent = c.unregister(a["agent_id"])
+            agent = c.unregister(a["agent_id"], uid)
             return protocol.ok("UNREGISTER", [protocol.kv(ledger_allocated_bytes=c.ledger.allocated)],
                                agent_id=agent.id)
         if req.verb == "RESET":
-            c.reset(a["agent_id"])
+            c.reset(a["agent_id"], uid)
             return protocol.ok("RESET", [], agent_id=a["agent_id"])
         if req.verb == "DECODE":
-            r = c.decode(a["agent_id"], a["max_tokens"], a["prompt"], should_stop=lambda: client_gone(conn))
+            r = c.decode(a["agent_id"], a["max_tokens"], a["prompt"], should_stop=lambda: client_gone(conn),
+                         owner=uid)
             if r.cancelled:
-                raise ConductorError("CANCELLED", f"agent {r.agent_id}: the client disconnected; "
+                why = "the daemon is stopping" if self._stop.is_set() else "the client disconnected"
+                raise ConductorError("CANCELLED", f"agent {r.agent_id}: {why}; "
                                      "the conversation is as it was before this DECODE")
             return protocol.ok("DECODE", [
                 protocol.kv(prompt_tokens=r.prompt_tokens, generated_tokens=r.generated_tokens,
@@ -296,13 +343,34 @@ class Server:
             ], body=r.text, agent_id=r.agent_id)
         raise protocol.ProtocolError("UNKNOWN_VERB", req.verb)
 
-    def _visible(self, uid: int) -> list:
-        agents = list(self.conductor.agents.values())
-        return agents if self._sees_all(uid) else [x for x in agents if x.owner == uid]
+    def _register(self, a: dict, uid: int, fds: list[int]) -> str:
+        c = self.conductor
+        source = self.access.model(a["model"], uid, fds)
+        try:
+            prefix = self.access.prefix(a["prefix"], uid, fds) if a["prefix"] else None
+            agent = c.register(a["agent_id"], source, a["n_ctx"], owner=uid, prefix=prefix)
+        finally:
+            source.close()        # a descriptor nothing took (the request failed before the load)
+        e = agent.estimate
+        mine = [x for x in c.owned_by(None if self._sees_all(uid) else uid) if x.loaded is agent.loaded]
+        return protocol.ok("REGISTER", [
+            protocol.kv(estimate_bytes=e.total, weights_bytes=e.weights, kv_bytes=e.kv,
+                        compute_bytes=e.compute, estimate_source=e.source),
+            protocol.kv(reserved_bytes=c.ledger.held(f"agent:{agent.key}"),
+                        measured_context_bytes=agent.measured_bytes,
+                        model_refcount=len(mine), shared_weights=len(mine) > 1),
+            protocol.kv(ledger_max_bytes=c.ledger.limit(), ledger_allocated_bytes=c.ledger.allocated),
+            protocol.kv(prefix=agent.prefix.key if agent.prefix else None,
+                        prefix_tokens=agent.prefix.n_tokens if agent.prefix else 0,
+                        prefix_agents=len(agent.prefix.agents) if agent.prefix else 0),
+        ], agent_id=agent.id, model=agent.model_name, n_ctx=agent.n_ctx)
 
     def _status(self, uid: int) -> str:
         c, m = self.conductor, self.memory.refresh()
         limit, allocated = c.ledger.limit(), c.ledger.allocated
+        every = self._sees_all(uid)
+        visible = c.owned_by(None if every else uid)
+        live, decoding = (c.live[0] if c.live else None), c.decoding
         lines = [
             protocol.kv(ledger_max_bytes=limit, ledger_allocated_bytes=allocated,
                         ledger_free_bytes=max(0, limit - allocated)),
@@ -310,58 +378,50 @@ class Server:
                         device_free_bytes=m.free, device_used_by_others_bytes=m.others,
                         budget_fixed=self.memory.budget_bytes is not None),
             protocol.kv(swap_max_bytes=c.swap.limit(), swap_allocated_bytes=c.swap.allocated),
-            protocol.kv(agents=len(self._visible(uid)), decode_queue=c.slot.waiting,
-                        live_agent=c.live[0].id if c.live and c.live[0] in self._visible(uid) else None,
-                        decoding=c.decoding if c.decoding in {a.id for a in self._visible(uid)} else None,
+            protocol.kv(agents=len(visible), decode_queue=c.slot.waiting(None if every else uid),
+                        live_agent=live.id if live in visible else None,
+                        decoding=decoding.id if decoding in visible else None,
                         uptime_s=round(time.time() - self.started, 1)),
         ]
-        if self._sees_all(uid):
+        if not every:
+            q = c.quotas
+            lines.append(protocol.kv(uid=uid, uid_ledger_bytes=c.ledger.held_by(uid),
+                                     uid_ledger_max_bytes=int(limit * q.ledger_share),
+                                     uid_swap_bytes=c.swap.held_by(uid), uid_swap_max_bytes=int(c.swap.limit() * q.swap_share),
+                                     uid_agents_max=q.agents, uid_clients_max=q.clients))
+        if every:
             for path, refs, measured in c.registry.snapshot():
                 lines.append("model " + protocol.kv(path=path, refcount=refs, measured_bytes=measured))
-            for p in list(c.prefixes.values()):
+        for p in list(c.prefixes.values()):
+            if every or p.key.startswith(f"{uid}:"):
                 lines.append("prefix " + protocol.kv(key=p.key, tokens=p.n_tokens, agents=len(p.agents),
                                                      host_bytes=p.snapshot.nbytes if p.snapshot else 0))
-        for agent in self._visible(uid):
+        for agent in visible:
             lines.append(protocol.kv(agent=agent.id, estimate_bytes=agent.estimate.total,
                                      actual_bytes=agent.measured_bytes + agent.loaded.measured_bytes))
         return protocol.ok("STATUS", lines)
 
     def _list(self, uid: int) -> str:
-        c = self.conductor
-        lines = [protocol.kv(agent_id=a.id, model=a.model_name, reserved_bytes=c.ledger.held(f"agent:{a.id}"),
+        c, every = self.conductor, self._sees_all(uid)
+        lines = [protocol.kv(agent_id=a.id, model=a.model_name, reserved_bytes=c.ledger.held(f"agent:{a.key}"),
                              state=a.state, kv_host_bytes=a.saved.nbytes if a.saved else 0,
                              tokens=a.tokens_in_context, n_ctx=a.n_ctx,
                              prefix=a.prefix.key if a.prefix else None,
-                             prefix_host_bytes=a.prefix.snapshot.nbytes if a.prefix and a.prefix.snapshot else 0)
-                 for a in self._visible(uid)]
+                             prefix_host_bytes=a.prefix.snapshot.nbytes if a.prefix and a.prefix.snapshot else 0,
+                             **({"owner": a.owner} if every else {}))
+                 for a in c.owned_by(None if every else uid)]
         return protocol.ok("LIST", lines, agents=len(lines))
 
 
-def read_prefix(path: str, uid: int) -> str:
-    """The text of a REGISTER prefix= document, read by the daemon on behalf of `uid`: only
-    a regular file that user may read (owner with read permission, or world-readable),
-    opened without following a final symlink, at most MAX_PREFIX_BYTES of UTF-8."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        raise ConductorError("BAD_PREFIX", f"cannot open {path}: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConductorError("BAD_PREFIX", f"{path} is not a regular file")
-        may_read = uid == 0 or st.st_mode & stat.S_IROTH or (st.st_uid == uid and st.st_mode & stat.S_IRUSR)
-        if not may_read:
-            raise ConductorError("FORBIDDEN", f"{path}: the connecting user may not read it")
-        if st.st_size > MAX_PREFIX_BYTES:
-            raise ConductorError("BAD_PREFIX", f"{path} is {st.st_size} bytes; the limit is {MAX_PREFIX_BYTES}")
-        with open(fd, "rb", closefd=False) as f:
-            raw = f.read(MAX_PREFIX_BYTES + 1)
-    finally:
-        os.close(fd)
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConductorError("BAD_PREFIX", f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+def check_models_dir(folder: Path) -> None:
+    """An operator's model folder must be theirs: not writable by anyone else, or any
+    user could plant a file there for everyone to load."""
+    st = folder.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"--models-dir {folder} is not a folder")
+    if st.st_uid not in (0, os.getuid()) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ValueError(f"--models-dir {folder} is owned by uid {st.st_uid} or writable by others "
+                         f"(mode {stat.S_IMODE(st.st_mode):o}); use a folder only the daemon's user can write")
 
 
 def default_swap_budget() -> int:
@@ -394,6 +454,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host RAM for paused agents' KV snapshots (default: 25%% of host RAM)")
     p.add_argument("--agent-ttl", type=float, default=0,
                    help="unregister an agent unused for this many seconds, 0 = never (default 0)")
+    p.add_argument("--models-dir", type=Path, action="append", default=[], metavar="DIR",
+                   help="a folder whose .gguf files any allowed user may name by file name "
+                        "(repeatable); other users' own files come as descriptors (lmx register "
+                        "ID /path/model.gguf sends one)")
+    p.add_argument("--max-clients-per-uid", type=int, default=DEFAULT_CLIENTS_PER_UID,
+                   help=f"connections one user (other than the daemon's) may hold (default {DEFAULT_CLIENTS_PER_UID})")
+    p.add_argument("--max-agents-per-uid", type=int, default=DEFAULT_AGENTS_PER_UID,
+                   help=f"agents one user may register (default {DEFAULT_AGENTS_PER_UID})")
+    p.add_argument("--uid-ledger-percent", type=float, default=DEFAULT_SHARE_PERCENT,
+                   help="share of the device budget one user's agents and the weights they use may "
+                        f"hold (default {DEFAULT_SHARE_PERCENT:g})")
+    p.add_argument("--uid-swap-percent", type=float, default=DEFAULT_SHARE_PERCENT,
+                   help=f"share of the swap budget one user's paused agents may hold (default {DEFAULT_SHARE_PERCENT:g})")
+    p.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE,
+                   help="on SIGTERM, seconds the running DECODE may go on before it is cancelled; "
+                        f"queued ones are cancelled at once (default {DEFAULT_SHUTDOWN_GRACE:g})")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per context")
     p.add_argument("-v", "--verbose", action="store_true", help="also show libllama's log")
     return p
@@ -416,11 +492,18 @@ def main(argv: list[str] | None = None) -> int:
         swap = args.swap_budget_bytes if args.swap_budget_bytes is not None else default_swap_budget()
         if swap < 0:
             raise ValueError("--swap-budget-bytes must be >= 0")
+        if args.shutdown_grace < 0:
+            raise ValueError("--shutdown-grace must be >= 0")
+        for folder in args.models_dir:
+            check_models_dir(folder)
+        quotas = Quotas(args.max_clients_per_uid, args.max_agents_per_uid, args.uid_ledger_percent / 100,
+                        args.uid_swap_percent / 100)
         conductor = Conductor(Ledger(memory.budget), table, n_threads=args.threads,
-                              swap=Ledger(lambda: swap, name="SWAP"), agent_ttl=args.agent_ttl)
+                              swap=Ledger(lambda: swap, name="SWAP"), agent_ttl=args.agent_ttl, quotas=quotas)
         booked.append(conductor.ledger)
         server = Server(Path(args.socket), conductor, memory, set(args.allow_uid), args.line_cap,
-                        args.max_clients, args.idle_timeout)
+                        args.max_clients, args.idle_timeout, Access(conductor.admin, args.models_dir),
+                        args.shutdown_grace)
         signal.signal(signal.SIGTERM, server.stop)
         signal.signal(signal.SIGINT, server.stop)
         server.serve_forever()
