@@ -117,10 +117,11 @@ for arg in sys.argv[2:]:
         os.close(fd)
     reply, body = [], False
     while True:
-        r = f.readline().decode().rstrip('\n')
+        raw = f.readline()
+        if not raw:
+            reply.append(''); break
+        r = raw.decode().rstrip('\n')
         reply.append(r)
-        if not r:
-            break
         if body:
             body = r != 'END_RESPONSE'
         elif r == 'BEGIN_RESPONSE':

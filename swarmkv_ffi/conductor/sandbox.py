@@ -3,8 +3,9 @@
 A client-supplied GGUF goes through libllama's loader, which asserts (aborting the
 process) on some malformed headers and has a history of memory-safety bugs. So lmxd
 first hands the file's descriptor to `python -m swarmkv_ffi.conductor.sandbox`: a child
-that reads the header facts the estimate needs and loads the model (mmap, no GPU) under
-resource limits (address space, CPU seconds, no files written, no core), with the
+that loads the model (mmap, no GPU) and reads from it the header facts the estimate needs, under
+resource limits (address space, CPU seconds, no files written, no core; niced, one
+child per user at a time since a user's admissions run one by one), with the
 client's uid and groups when the daemon is root, made non-dumpable so nobody can
 ptrace it. Its verdict is one JSON line. A crash, an assert, a timeout or a refusal is
 ERR MODEL_LOAD_FAILED with the cause; the daemon and every agent go on.
@@ -29,8 +30,8 @@ from pathlib import Path
 from ..errors import ModelLoadError
 from .modelfile import ModelFile
 
-CPU_SECONDS = 60
-WALL_SECONDS = 120
+CPU_SECONDS = 30
+WALL_SECONDS = 60
 HEADROOM = 1 << 30            # address space beyond the child's own and twice the file's
 PR_SET_DUMPABLE = 4
 FACTS = ("n_embd", "n_head", "n_layer", "n_head_kv", "key_length", "value_length", "n_vocab", "weights")
@@ -112,19 +113,31 @@ def _limit(file_bytes: int) -> None:
         resource.setrlimit(which, (value, value))
 
 
+def facts_of(model) -> dict:
+    """The estimate's header facts (estimate._facts' keys), as libllama read them: its C
+    parser is fast where gguf-py spends seconds on a crafted million-entry vocabulary."""
+    arch = model.meta("general.architecture") or "?"
+    n_embd, n_head = model.n_embd, max(1, model.n_head)
+
+    def number(key: str, default: int) -> int:
+        value = model.meta(f"{arch}.{key}")
+        return int(value) if value and value.isdigit() else default
+    return {"arch": arch, "n_embd": n_embd, "n_head": n_head, "n_layer": model.n_layer,
+            "n_head_kv": model.n_head_kv, "key_length": number("attention.key_length", n_embd // n_head),
+            "value_length": number("attention.value_length", n_embd // n_head),
+            "n_vocab": model.n_vocab, "weights": model.size_bytes}
+
+
 def main(argv: list[str]) -> int:
     fd, uid, gid, file_bytes = (int(x) for x in argv)
     from .. import library
     from ..model import Model
-    from .estimate import _facts
-    import mmap  # noqa: F401  (imported while the daemon's files are still readable:
-    import gguf  # noqa: F401   numpy.memmap imports mmap lazily)
     library.backend()                  # libllama and its backends load before the drop
     _drop_privileges(uid, gid)
     _limit(file_bytes)
-    path = f"/proc/self/fd/{fd}"
-    facts = _facts(path)
-    model = Model(path, n_gpu_layers=0, use_mmap=True)
+    os.nice(10)                        # below the daemon's own decoding
+    model = Model(f"/proc/self/fd/{fd}", n_gpu_layers=0, use_mmap=True)
+    facts = facts_of(model)
     model.close()
     print(json.dumps(facts))
     return 0

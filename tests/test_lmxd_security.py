@@ -1,0 +1,383 @@
+"""lmxd shared by several users, tried as a hostile local user would: a real daemon run
+as root and clients run as two other uids (VICTIM and MALLORY). Each test is one finding
+of the multi-user review: reading what the client could not, reaching another user's
+agent, killing the daemon with a crafted file, hogging its budgets or its turns, and
+learning about another user's documents from replies."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from corpus import LICENCE
+from lmxd_daemon import SYSTEM_PYTHON, Daemon, as_user, eventually, shared_tmp, wait_decoding
+from swarmkv_ffi import catalog, tiny_gguf
+
+pytestmark = [pytest.mark.timeout(600),
+              pytest.mark.skipif(os.getuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
+                                 reason="needs root and a system python to connect as other uids")]
+
+VICTIM, MALLORY = 4242, 65534
+DOC = LICENCE[:1200]
+
+
+def last(reply: list[str]) -> str:
+    return reply[-1]
+
+
+def fields(reply: list[str]) -> dict:
+    out = {}
+    for line in reply:
+        if line.startswith("OK "):
+            for pair in line[3:].split():
+                key, eq, value = pair.partition("=")
+                if eq:
+                    out[key] = value
+    return out
+
+
+@pytest.fixture(scope="module")
+def tmp():
+    folder = shared_tmp("lmxd-sec-")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def files(tmp):
+    """The victim's private home (0700) with a world-readable secret in it, the victim's
+    own 0600 model, a readable shared document, and hostile GGUFs."""
+    home = tmp / "victim-home"
+    home.mkdir()
+    (home / ".env").write_text("DB_PASSWORD=hunter2\n")
+    os.chmod(home / ".env", 0o644)
+    own_model = home / "mine.gguf"
+    shutil.copy(catalog.resolve("smollm2-135m"), own_model)
+    os.chmod(own_model, 0o600)
+    os.chown(own_model, VICTIM, VICTIM)
+    os.chown(home, VICTIM, VICTIM)
+    os.chmod(home, 0o700)
+    doc = tmp / "shared-doc.txt"
+    doc.write_text(DOC)
+    bad = Path(tiny_gguf.write(str(tmp / "layers1000.gguf"), claimed_layers=1000))
+    zeros = tmp / "zeros.gguf"
+    with open(zeros, "wb") as f:
+        f.truncate(1 << 30)                      # 1 GiB, sparse, not a model
+    for path in (doc, bad, zeros):
+        os.chmod(path, 0o644)
+    return {"home": home, "secret": home / ".env", "own_model": own_model, "doc": doc,
+            "bad": bad, "zeros": zeros}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp):
+    d = Daemon(tmp, "--allow-uid", str(VICTIM), "--allow-uid", str(MALLORY))
+    yield d
+    d.stop()
+
+
+def read_reply(sock: socket.socket) -> list[str]:
+    lines, reader = [], sock.makefile("rb")
+    while True:
+        raw = reader.readline()
+        line = raw.decode().rstrip("\n")
+        lines.append(line)
+        if not raw or line == "OK done" or line.startswith("ERR "):
+            return lines
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+# ---- 1, 4: the daemon opens nothing a client names -------------------------------------------
+def test_paths_of_other_users_files_are_never_opened(daemon, files):
+    secret, missing = files["secret"], files["home"] / "no-such-file"
+    replies = as_user(MALLORY, daemon,
+                      f"REGISTER s smollm2-135m prefix={secret}",
+                      f"REGISTER s smollm2-135m prefix={missing}",
+                      f"REGISTER s {files['own_model']}",
+                      f"REGISTER s {files['home'] / 'missing.gguf'}",
+                      ("REGISTER s smollm2-135m prefix=@fd", [secret]),
+                      ("REGISTER s smollm2-135m prefix=@fd", ["/proc/self/maps"]),
+                      ("REGISTER s smollm2-135m prefix=@fd", ["/proc/1/maps"]),
+                      "LIST")
+    path_secret, path_missing, model, model_missing, opened, maps, maps1, listing = replies
+    assert last(path_secret).startswith("ERR FORBIDDEN prefix=PATH would be read with the daemon's")
+    assert last(path_missing) == last(path_secret)                # no existence oracle
+    assert last(model).startswith("ERR UNKNOWN_MODEL")
+    assert last(model_missing).replace("missing.gguf", "mine.gguf") == last(model)
+    assert opened == ["CLIENT_OPEN_FAILED Permission denied"]     # the kernel said no, not lmxd
+    assert last(maps).startswith("ERR BAD_PREFIX") and "procfs" in last(maps)
+    assert last(maps1).startswith("ERR BAD_PREFIX") or maps1[0].startswith("CLIENT_OPEN_FAILED")
+    assert "OK invoke=LIST agents=0" in listing
+
+
+def test_a_user_may_load_their_own_private_model_by_descriptor(daemon, files):
+    (reply, listing) = as_user(VICTIM, daemon, ("REGISTER own @fd n_ctx=256", [files["own_model"]]),
+                               "DECODE own 2 Hello")
+    assert last(reply) == "OK done", reply                # the sandbox, as the victim, could read it
+    assert fields(listing)["generated_tokens"] != "0"
+    (gone,) = as_user(VICTIM, daemon, "UNREGISTER own")
+    assert last(gone) == "OK done"
+
+
+# ---- 3, 6: crafted files cost a sandboxed child, never the daemon ---------------------------
+def test_crafted_ggufs_fail_in_the_sandbox_and_the_daemon_goes_on(daemon, files):
+    with daemon.client() as c:
+        c.register("witness", "smollm2-135m", n_ctx=256)
+        rss_before = rss_kib(daemon.proc.pid)
+        t0 = time.monotonic()
+        assert_layers, zeros = as_user(MALLORY, daemon, ("REGISTER x @fd", [files["bad"]]),
+                                       ("REGISTER y @fd", [files["zeros"]]))
+        took = time.monotonic() - t0
+        assert last(assert_layers).startswith("ERR MODEL_LOAD_FAILED") and "signal=SIGABRT" in last(assert_layers)
+        assert "n_layer" in last(assert_layers)
+        assert last(zeros).startswith("ERR MODEL_LOAD_FAILED"), zeros
+        assert took < 60
+        assert daemon.proc.poll() is None
+        assert rss_kib(daemon.proc.pid) - rss_before < 64 * 1024     # nothing was copied or parsed here
+        assert int(c.decode("witness", 2, "Still here?")["fields"]["generated_tokens"]) >= 1
+        c.unregister("witness")
+
+
+def test_a_million_entry_vocabulary_is_bounded_by_the_sandbox(daemon, tmp):
+    import gguf
+    path = tmp / "vocab.gguf"
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    for add, value in ((w.add_block_count, 2), (w.add_embedding_length, 64), (w.add_head_count, 2),
+                       (w.add_context_length, 64), (w.add_feed_forward_length, 64),
+                       (w.add_layer_norm_rms_eps, 1e-5)):
+        add(value)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([""] * 900_000)
+    w.add_tensor("token_embd.weight", np.zeros((4, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.chmod(path, 0o644)
+    rss_before = rss_kib(daemon.proc.pid)
+    (reply,) = as_user(MALLORY, daemon, ("REGISTER v @fd", [path]))
+    assert last(reply).startswith("ERR MODEL_LOAD_FAILED"), reply
+    assert rss_kib(daemon.proc.pid) - rss_before < 64 * 1024
+
+
+# ---- 2: names are per user, looked up when used ---------------------------------------------
+def test_agent_names_are_per_user_and_never_cross(daemon, files):
+    doc = files["doc"]
+    (reg,) = as_user(VICTIM, daemon, ("REGISTER x smollm2-135m n_ctx=1024 prefix=@fd", [doc]))
+    assert last(reg) == "OK done", reg
+    reg_m, dec_m, unknown, listing = as_user(MALLORY, daemon, "REGISTER x smollm2-135m n_ctx=512",
+                                             "DECODE x 3 Hello", "DECODE nobody-has-this 3 hi", "LIST")
+    assert last(reg_m) == "OK done"                              # the same name, another user
+    assert fields(dec_m)["generated_tokens"] != "0"
+    assert "agent_id=x" in listing[2] and "prefix=-" in listing[2]  # Mallory's own x, not the victim's
+    (victim_list,) = as_user(VICTIM, daemon, "LIST")
+    assert fields(victim_list)["tokens"] == "0"                  # untouched: never decoded
+    (unreg,) = as_user(MALLORY, daemon, "UNREGISTER x")
+    assert last(unreg) == "OK done"
+    (victim_dec,) = as_user(VICTIM, daemon, "DECODE x 2 Who may use it?")
+    assert last(victim_dec) == "OK done"
+    (other,) = as_user(MALLORY, daemon, "DECODE x 2 hi")
+    assert last(other) == last(unknown).replace("nobody-has-this", "x")   # gone for Mallory only
+    as_user(VICTIM, daemon, "UNREGISTER x")
+
+
+def test_a_queued_decode_runs_in_its_owners_agent_only(daemon):
+    """The race of finding 2: a DECODE waits in the queue while the name is re-registered
+    by someone else; when its turn comes it looks up its owner's agent, not the name."""
+    with daemon.client() as c:
+        c.register("busy", "smollm2-135m", n_ctx=512)
+        c.register("x", "smollm2-135m", n_ctx=256)
+    long_run = daemon.raw_socket()
+    long_run.sendall(b"DECODE busy 200 Count: 1, 2, 3,\n")
+    wait_decoding(daemon, "busy")
+    queued = daemon.raw_socket()
+    queued.sendall(b"DECODE x 4 Hello\n")
+    eventually(lambda: daemon.client().status()["fields"]["decode_queue"] != "0", what="the DECODE to queue")
+    (reg,) = as_user(MALLORY, daemon, "REGISTER x smollm2-135m n_ctx=256")
+    assert last(reg) == "OK done"
+    queued.settimeout(300)
+    assert read_reply(queued)[-1] == "OK done"                 # it ran, in the operator's x
+    (listing,) = as_user(MALLORY, daemon, "LIST")
+    assert fields(listing)["tokens"] == "0"                     # Mallory's x saw nothing
+    long_run.close()
+    queued.close()
+    with daemon.client() as c:
+        assert int(next(a for a in c.list() if a["agent_id"] == "x" and a["owner"] == "0")["tokens"]) > 0
+        c.unregister("busy")
+        c.unregister("x")
+    as_user(MALLORY, daemon, "UNREGISTER x")
+
+
+# ---- 7: nothing in a reply tells one user about another's documents or agents -----------------
+def test_replies_carry_no_other_users_facts(daemon, files):
+    doc = files["doc"]
+    (reg_v, dec_v) = as_user(VICTIM, daemon, ("REGISTER v smollm2-135m n_ctx=1024 prefix=@fd", [doc]),
+                             "DECODE v 2 Summarise.")
+    assert last(dec_v) == "OK done"
+    reg_m, dec_m, status = as_user(MALLORY, daemon, ("REGISTER m smollm2-135m n_ctx=1024 prefix=@fd", [doc]),
+                                   "DECODE m 2 Summarise.", "STATUS")
+    f = fields(reg_m)
+    assert f["prefix_agents"] == "1" and f["model_refcount"] == "1" and f["shared_weights"] == "false"
+    d = fields(dec_m)
+    assert d["kv_swap_restored"] == "false"                     # its own prefill, not the victim's copy
+    assert d["kv_swap_evicted"] in ("another-user", "-")        # never the victim's agent id
+    assert not any(line.startswith("OK model ") for line in status)
+    assert [line for line in status if line.startswith("OK prefix ")] and all(
+        f"key={MALLORY}:" in line for line in status if line.startswith("OK prefix "))
+    assert fields(status)["agents"] == "1" and fields(status)["uid"] == str(MALLORY)
+    as_user(VICTIM, daemon, "UNREGISTER v")
+    as_user(MALLORY, daemon, "UNREGISTER m")
+
+
+# ---- 5: per-user quotas and fair turns ---------------------------------------------------------
+def own_tmp(tmp: Path, name: str) -> Path:
+    folder = tmp / name
+    folder.mkdir()
+    os.chmod(folder, 0o755)
+    return folder
+
+
+def test_connection_and_ledger_share_quotas(tmp):
+    with Daemon(own_tmp(tmp, "q"), "--allow-uid", str(MALLORY), "--max-clients-per-uid", "3",
+                "--uid-ledger-percent", "0.1") as d:
+        hold = r"""
+import socket, sys, time
+socks = []
+for i in range(4):
+    s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); socks.append(s)
+s = socks[-1]; s.settimeout(10)
+print(s.recv(200).decode().strip(), flush=True)
+"""
+        import subprocess
+        out = subprocess.run([SYSTEM_PYTHON, "-c", hold, str(d.path)], capture_output=True, text=True,
+                             timeout=60, preexec_fn=lambda: os.setuid(MALLORY)).stdout
+        assert out.startswith(f"ERR BUSY uid {MALLORY} has 3 connections"), out
+        (share,) = as_user(MALLORY, d, "REGISTER a smollm2-135m n_ctx=256")
+        assert last(share).startswith("ERR VRAM_LEDGER_DENY code=USER_SHARE"), share
+        with d.client() as c:                                    # the operator is not limited
+            for i in range(3):
+                c.register(f"op{i}", "smollm2-135m", n_ctx=256)
+
+
+def test_agent_count_quota(tmp):
+    with Daemon(own_tmp(tmp, "n"), "--allow-uid", str(MALLORY), "--max-agents-per-uid", "2") as d:
+        replies = as_user(MALLORY, d, *[f"REGISTER a{i} smollm2-135m n_ctx=256" for i in range(3)])
+        assert [last(r) for r in replies[:2]] == ["OK done", "OK done"]
+        assert last(replies[2]).startswith(f"ERR QUOTA uid {MALLORY} has 2 agents")
+
+
+def test_a_swap_hog_cannot_block_another_users_decode(tmp):
+    with Daemon(own_tmp(tmp, "s"), "--allow-uid", str(MALLORY), "--allow-uid", str(VICTIM),
+                "--uid-swap-percent", "0.000001") as d:    # no user's share holds one snapshot
+        m = as_user(MALLORY, d, "REGISTER h1 smollm2-135m n_ctx=256", "REGISTER h2 smollm2-135m n_ctx=256",
+                    "DECODE h1 4 Once upon a time", "DECODE h2 4 Hello")
+        assert last(m[2]) == "OK done"
+        assert last(m[3]).startswith("ERR SWAP_BUDGET_DENY code=USER_SHARE"), m[3]   # its own share
+        tokens_before = int(fields(as_user(MALLORY, d, "LIST")[0])["tokens"])
+        v = as_user(VICTIM, d, "REGISTER v smollm2-135m n_ctx=256", "DECODE v 4 Hi there")
+        assert last(v[1]) == "OK done", v[1]                 # evicting Mallory's agent cost Mallory
+        (listing,) = as_user(MALLORY, d, "LIST")
+        h1 = next(line for line in listing if "agent_id=h1" in line)
+        assert "state=suspended" in h1 and "kv_host_bytes=0" in h1
+        (again,) = as_user(MALLORY, d, "DECODE h1 3 and then")
+        assert last(again) == "OK done"                      # its tokens were kept and re-read
+        (after,) = as_user(MALLORY, d, "LIST")
+        h1 = fields([line for line in after if "agent_id=h1" in line])
+        assert int(h1["tokens"]) > tokens_before
+
+
+def test_one_byte_at_a_time_does_not_defeat_the_idle_timeout(tmp):
+    with Daemon(own_tmp(tmp, "i"), "--idle-timeout", "1") as d:
+        s = d.raw_socket()
+        t0 = time.monotonic()
+        reply = b""
+        try:
+            for ch in b"STATUS":
+                s.sendall(bytes([ch]))
+                time.sleep(0.3)
+            for ch in b"STATUS":
+                s.sendall(bytes([ch]))
+                time.sleep(0.3)
+        except OSError:
+            pass
+        s.settimeout(10)
+        reply = s.recv(200)
+        assert reply.startswith(b"ERR IDLE_TIMEOUT no complete request line within 1 s")
+        assert time.monotonic() - t0 < 5
+
+
+def test_turns_go_round_robin_and_a_long_decode_yields(tmp, files):
+    """Mallory queues three long DECODEs; the victim's short one, sent after them, finishes
+    while Mallory's first is still running (it yields after each slice), and a DECODE
+    that yielded gives the tokens it gives alone (exact mode: prefix agents)."""
+    doc = files["doc"]
+    with Daemon(own_tmp(tmp, "r"), "--allow-uid", str(MALLORY), "--allow-uid", str(VICTIM)) as d:
+        setup = [("REGISTER solo smollm2-135m n_ctx=1024 prefix=@fd", [doc]), "DECODE solo 150 List every right:"]
+        for i in range(3):
+            setup.append((f"REGISTER m{i} smollm2-135m n_ctx=1024 prefix=@fd", [doc]))
+        alone = as_user(MALLORY, d, *setup)[1]
+        assert last(alone) == "OK done"
+        done: dict[str, float] = {}
+        texts: dict[str, list[str]] = {}
+
+        def mallory(i):
+            texts[f"m{i}"] = as_user(MALLORY, d, f"DECODE m{i} 150 List every right:")[0]
+            done[f"m{i}"] = time.monotonic()
+        threads = [threading.Thread(target=mallory, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+            time.sleep(0.3)
+        eventually(lambda: int(d.client().status()["fields"]["decode_queue"]) >= 2, what="Mallory's queue")
+        v = as_user(VICTIM, d, "REGISTER v smollm2-135m n_ctx=256", "DECODE v 8 Hello")
+        done["victim"] = time.monotonic()
+        for t in threads:
+            t.join(timeout=400)
+        assert last(v[1]) == "OK done"
+        assert done["victim"] < min(done[f"m{i}"] for i in range(3)), done
+        body = lambda r: r[r.index("BEGIN_RESPONSE"):]    # noqa: E731
+        for i in range(3):
+            assert body(texts[f"m{i}"]) == body(alone), i
+
+
+# ---- 10: stopping ------------------------------------------------------------------------------
+def test_sigterm_cancels_the_queue_and_bounds_the_running_decode(tmp):
+    d = Daemon(own_tmp(tmp, "t"), "--shutdown-grace", "1")
+    with d.client() as c:
+        c.register("a", "smollm2-135m", n_ctx=4200)
+        c.register("b", "smollm2-135m", n_ctx=256)
+    running = d.raw_socket()
+    running.sendall(b"DECODE a 4000 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,\n")
+    wait_decoding(d, "a")
+    queued = d.raw_socket()
+    queued.sendall(b"DECODE b 10 Hello\n")
+    eventually(lambda: d.client().status()["fields"]["decode_queue"] == "1", what="the DECODE to queue")
+    t0 = time.monotonic()
+    d.proc.terminate()
+    queued.settimeout(30)
+    running.settimeout(30)
+    assert queued.makefile("rb").read().decode().startswith("ERR CANCELLED")
+    assert running.makefile("rb").read().decode().startswith("ERR CANCELLED agent a: the daemon is stopping")
+    assert d.proc.wait(timeout=30) == 0 and time.monotonic() - t0 < 15
+    assert not d.path.exists()
+
+
+def test_stop_leaves_a_socket_path_another_daemon_took(tmp):
+    d = Daemon(own_tmp(tmp, "u"))
+    d.path.unlink()                                  # someone else's socket now lives there
+    other = socket.socket(socket.AF_UNIX)
+    other.bind(str(d.path))
+    try:
+        assert d.stop() == 0
+        assert d.path.exists() and "no longer ours" in d.logs()
+    finally:
+        other.close()
