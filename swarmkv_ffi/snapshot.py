@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
 import tempfile
 import time
@@ -34,6 +35,7 @@ from .errors import SnapshotCorruptError, SnapshotMismatchError
 MAGIC = b"SWKVSNP1"
 FORMAT_VERSION = 1
 PAYLOAD_ALIGN = 64
+MAX_HEADER_BYTES = 1 << 20   # a header is JSON of a few hundred bytes
 
 
 def tokens_hash(tokens) -> str:
@@ -219,6 +221,8 @@ class Snapshot:
         if len(fixed) < len(MAGIC) + 4 or fixed[:len(MAGIC)] != MAGIC:
             raise SnapshotCorruptError("not a swarmkv snapshot (bad magic)")
         (n,) = struct.unpack("<I", fixed[len(MAGIC):])
+        if n > MAX_HEADER_BYTES:
+            raise SnapshotCorruptError(f"snapshot header claims {n} bytes; headers are at most {MAX_HEADER_BYTES}")
         raw = read(n)
         if len(raw) != n:
             raise SnapshotCorruptError("snapshot header is truncated")
@@ -249,8 +253,17 @@ class Snapshot:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"snapshot file not found: {path}")
-        with path.open("rb") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)   # a FIFO cannot hang it
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise SnapshotCorruptError(f"{path} is not a regular file")
+        with os.fdopen(fd, "rb") as f:
             header, offset = cls._read_prelude(f.read)
+            size = os.fstat(f.fileno()).st_size
+            if header.payload_nbytes != size - offset:   # before allocating what the file claims
+                raise SnapshotCorruptError(
+                    f"{path}: header says the payload is {header.payload_nbytes} bytes, the file holds "
+                    f"{size - offset} after the header (truncated, appended to, or crafted?)")
             f.seek(offset)
             data = host_buffer(header.payload_nbytes, pinned)
             got = f.readinto(memoryview(data))

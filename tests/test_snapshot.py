@@ -191,3 +191,30 @@ def test_failing_node_fails_the_run_with_the_original_error(smol, monkeypatch):
         run_fanout(smol, TEXT, [BranchSpec("a?", max_tokens=2), BranchSpec("b?", max_tokens=2)],
                    mode="copy", timeout=120, cache=False)
     assert info.value is boom
+
+
+def test_a_payload_size_the_file_does_not_hold_is_refused_before_allocating(snap, tmp_path, monkeypatch):
+    """A crafted header may claim any payload size; with CUDA that would be page-locked
+    memory of the file's choosing. The size is checked against the file first."""
+    import json
+    import struct
+
+    from swarmkv_ffi import snapshot as snapshot_mod
+    raw = snap.save(tmp_path / "s.swkv").read_bytes()
+    magic_len = len(snapshot_mod.MAGIC)
+    (n,) = struct.unpack("<I", raw[magic_len:magic_len + 4])
+    header = json.loads(raw[magic_len + 4:magic_len + 4 + n])
+    header["payload_nbytes"] = 1 << 40
+    new = json.dumps(header).encode()
+    crafted = tmp_path / "crafted.swkv"
+    crafted.write_bytes(raw[:magic_len] + struct.pack("<I", len(new)) + new + b"\0" * 64)
+    asked = []
+    monkeypatch.setattr(snapshot_mod, "host_buffer", lambda n, pinned=None: asked.append(n) or bytearray(0))
+    with pytest.raises(errors.SnapshotCorruptError, match="header says the payload is 1099511627776 bytes"):
+        Snapshot.load(crafted)
+    assert asked == []
+    import os
+    fifo = tmp_path / "fifo.swkv"
+    os.mkfifo(fifo)
+    with pytest.raises(errors.SnapshotCorruptError, match="not a regular file"):
+        Snapshot.load(fifo)                       # refused at once, not a read that never ends
