@@ -16,16 +16,31 @@ length some entry was stored at (the sidecars say), longest first.
 Safe with several processes: files are written to a temporary name and renamed; writes
 and eviction hold an exclusive flock on the folder's lock file, reads a shared one; a
 reader that loses an entry to eviction just misses. An entry that fails its checks
-(truncated, wrong crc, another model) is deleted and reported as a miss, never used.
-Least-recently-used entries are evicted once the folder exceeds `max_bytes`.
+(truncated, wrong crc, another model, a sidecar of the wrong size or types) is deleted
+and reported as a miss, never used. Least-recently-used entries are evicted once the
+folder exceeds `max_bytes`.
+
+Safe against other users: the folder is created 0700 and its files 0600 (O_EXCL, never
+through a symlink); an existing folder owned by another user or writable by group or
+others is refused; only regular files are read (a FIFO or a device is a miss at once),
+sidecars are capped at SIDECAR_MAX bytes, and keys are checked to be what key() makes
+before they name files. The snapshot's crc32 detects accidents (a torn write, a flipped
+bit), not a writer who recomputes it: with `keyed=True` (or SWARMKV_PREFIX_CACHE_KEYED=1)
+every entry also carries a keyed BLAKE2b MAC under a secret kept 0600 in the folder, so
+a process that can write the folder but not read the secret cannot plant an entry.
 """
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import hmac
 import json
 import logging
 import os
+import re
+import secrets
+import stat
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,13 +49,22 @@ from pathlib import Path
 import numpy as np
 
 from . import _cdef
-from .errors import SnapshotError
+from .errors import SnapshotError, SwarmKVError
 from .snapshot import FORMAT_VERSION, Snapshot, tokens_hash
 
 log = logging.getLogger("swarmkv_ffi.prefix_cache")
 
 ENV_DIR = "SWARMKV_PREFIX_CACHE"
 ENV_MAX = "SWARMKV_PREFIX_CACHE_MAX_BYTES"
+ENV_KEYED = "SWARMKV_PREFIX_CACHE_KEYED"
+SIDECAR_MAX = 4096
+KEY = re.compile(r"^[0-9a-f]{40}$")        # what key() makes: blake2b, 20 bytes, hex
+SECRET = ".key"
+NOFOLLOW = os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
+
+
+class CacheFolderError(SwarmKVError):
+    """The cache folder cannot be trusted (another user's, or writable by others)."""
 DEFAULT_MAX_BYTES = 4 << 30
 DEFAULT_BOUNDARY = 512
 TAIL = 16   # also store a document just short of its end: a tokenizer merge with appended text stays behind it
@@ -63,22 +87,94 @@ class Entry:
     head: str
     created: float
     last_used: float
+    mac: str = ""
 
     @classmethod
     def read(cls, path: Path) -> "Entry":
-        return cls(**json.loads(path.read_text()))
+        """The sidecar at `path`, or ValueError for anything but a small regular file of
+        the right fields and types, whose key is its file name."""
+        data = json.loads(read_regular(path, SIDECAR_MAX))
+        types = {"key": str, "model": str, "n_tokens": int, "nbytes": int, "head": str,
+                 "created": (int, float), "last_used": (int, float), "mac": str}
+        if not isinstance(data, dict) or set(data) - set(types) or not set(types) - {"mac"} <= set(data):
+            raise ValueError(f"{path.name}: not a sidecar")
+        if not all(isinstance(data[k], types[k]) and not isinstance(data[k], bool) for k in data):
+            raise ValueError(f"{path.name}: a field of the wrong type")
+        if data["key"] != path.stem or not KEY.match(data["key"]):
+            raise ValueError(f"{path.name}: its key is not its name")
+        return cls(**data)
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """At most `limit` bytes of a regular file, not through a symlink; never blocks on a
+    FIFO or reads a device without end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path.name} is not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{path.name} is {st.st_size} bytes, more than {limit}")
+        return os.read(fd, limit + 1)[:limit + 1]
+    finally:
+        os.close(fd)
+
+
+def check_folder(root: Path) -> None:
+    """Create `root` 0700, or refuse an existing one another user could write into."""
+    try:
+        root.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode):
+        raise CacheFolderError(f"prefix cache {root} is not a folder (a symlink?)")
+    if st.st_uid != os.getuid():
+        raise CacheFolderError(f"prefix cache {root} belongs to uid {st.st_uid}, not to this user "
+                               f"({os.getuid()}); use a folder of your own (--cache-dir, {ENV_DIR})")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise CacheFolderError(f"prefix cache {root} is writable by others (mode {stat.S_IMODE(st.st_mode):o}); "
+                               f"chmod 700 it")
 
 
 class PrefixCache:
     def __init__(self, root: str | Path | None = None, max_bytes: int | None = None,
-                 boundary: int = DEFAULT_BOUNDARY):
+                 boundary: int = DEFAULT_BOUNDARY, keyed: bool | None = None):
         self.root = Path(root) if root is not None else default_dir()
         env_max = os.environ.get(ENV_MAX)
         self.max_bytes = max_bytes if max_bytes is not None else int(env_max) if env_max else DEFAULT_MAX_BYTES
         if self.max_bytes < 0 or boundary < 1:
             raise ValueError(f"max_bytes must be >= 0 and boundary >= 1, got {self.max_bytes}, {boundary}")
         self.boundary = boundary
-        self.root.mkdir(parents=True, exist_ok=True)
+        check_folder(self.root)
+        if keyed is None:
+            keyed = os.environ.get(ENV_KEYED, "") not in ("", "0")
+        self._secret = self._load_secret() if keyed else None
+
+    def _load_secret(self) -> bytes:
+        """The folder's MAC key: made once (0600, O_EXCL), read by every keyed process."""
+        path = self.root / SECRET
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise CacheFolderError(f"{path} must be a regular file of this user's, mode 600")
+        secret = read_regular(path, 64)
+        if len(secret) != 32:
+            raise CacheFolderError(f"{path} is not a 32-byte key")
+        return secret
+
+    def _mac(self, path: Path) -> str:
+        mac = hashlib.blake2b(key=self._secret, digest_size=32)
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                mac.update(chunk)
+        return mac.hexdigest()
 
     # ---- keys ------------------------------------------------------------------------------
     @staticmethod
@@ -110,12 +206,16 @@ class PrefixCache:
 
     @contextmanager
     def _locked(self, exclusive: bool):
-        with open(self.root / ".lock", "a+") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        try:
+            fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise CacheFolderError(f"cannot open the prefix cache's lock {self.root / '.lock'} "
+                                   f"({exc.strerror}; a symlink is never followed)") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)              # releases the lock
 
     # ---- lookup and store --------------------------------------------------------------------
     def lookup(self, model_fingerprint: str, signature: dict, tokens) -> Snapshot | None:
@@ -136,6 +236,12 @@ class PrefixCache:
             if not path.exists():
                 return None
             try:
+                if not stat.S_ISREG(os.lstat(path).st_mode):
+                    raise SnapshotError("the entry is not a regular file")
+                if self._secret is not None:
+                    entry = Entry.read(self._meta(key))
+                    if not hmac.compare_digest(entry.mac, self._mac(path)):
+                        raise SnapshotError("its MAC does not match (written without this folder's key)")
                 snap = Snapshot.load(path)
                 h = snap.header
                 if h.model_fingerprint != model_fingerprint or not np.array_equal(snap.tokens, tokens):
@@ -159,15 +265,22 @@ class PrefixCache:
         entry = Entry(key, h.model_name, h.n_tokens, snapshot.nbytes, head[:120], now, now)
         with self._locked(exclusive=True):
             if not self._snap(key).exists():
-                snapshot.save(self._snap(key))
+                snapshot.save(self._snap(key))         # mkstemp: O_EXCL, 0600, then rename
+            if self._secret is not None:
+                entry.mac = self._mac(self._snap(key))
             self._write_meta(entry)
             self._evict()
         return key
 
     def _write_meta(self, entry: Entry) -> None:
-        tmp = self._meta(entry.key).with_suffix(f".json.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entry.__dict__))
-        os.replace(tmp, self._meta(entry.key))
+        fd, tmp = tempfile.mkstemp(prefix=f".{entry.key}.", suffix=".tmp", dir=self.root)   # O_EXCL, 0600
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(entry.__dict__))
+            os.replace(tmp, self._meta(entry.key))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     def _touch(self, key: str) -> None:
         """Record a use in the sidecar (file mtimes are too coarse to order quick uses)."""
@@ -181,19 +294,26 @@ class PrefixCache:
 
     # ---- listing and eviction ----------------------------------------------------------------
     def entries(self) -> list[Entry]:
-        """Every entry, most recently used first."""
+        """Every entry, most recently used first. A sidecar that is not one (wrong size,
+        types, key, not a regular file) is deleted with its entry."""
         out = []
         for meta in self.root.glob("*.json"):
+            if not KEY.match(meta.stem):
+                continue                              # not a name this cache makes: not ours to touch
             try:
                 e = Entry.read(meta)
-                e.nbytes = self._snap(e.key).stat().st_size
-            except (OSError, ValueError, TypeError):
+                e.nbytes = os.lstat(self._snap(e.key)).st_size
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError, TypeError) as exc:
+                log.warning("prefix cache: dropping bad sidecar %s: %s", meta.name, exc)
+                self._unlink(meta.stem)
                 continue
             out.append(e)
         return sorted(out, key=lambda e: e.last_used, reverse=True)
 
     def total_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.root.glob("*.snap") if p.exists())
+        return sum(os.lstat(p).st_size for p in self.root.glob("*.snap") if KEY.match(p.stem))
 
     def _evict(self) -> None:
         """Remove least-recently-used entries until the folder fits max_bytes (lock held)."""
@@ -205,14 +325,19 @@ class PrefixCache:
             self._unlink(e.key)
             total -= e.nbytes
         for orphan in self.root.glob("*.snap"):       # a file whose sidecar never got written
-            if not self._meta(orphan.stem).exists() and time.time() - orphan.stat().st_mtime > 60:
+            if (KEY.match(orphan.stem) and not self._meta(orphan.stem).exists()
+                    and time.time() - os.lstat(orphan).st_mtime > 60):
                 orphan.unlink(missing_ok=True)
 
     def _unlink(self, key: str) -> None:
+        if not KEY.match(key):
+            raise ValueError(f"not a prefix cache key: {key[:60]!r}")
         self._snap(key).unlink(missing_ok=True)
         self._meta(key).unlink(missing_ok=True)
 
     def remove(self, key: str) -> bool:
+        if not KEY.match(key):
+            return False
         with self._locked(exclusive=True):
             existed = self._snap(key).exists() or self._meta(key).exists()
             self._unlink(key)
@@ -220,7 +345,7 @@ class PrefixCache:
 
     def clear(self) -> int:
         with self._locked(exclusive=True):
-            keys = {p.stem for p in self.root.glob("*.snap")} | {p.stem for p in self.root.glob("*.json")}
+            keys = {p.stem for p in [*self.root.glob("*.snap"), *self.root.glob("*.json")] if KEY.match(p.stem)}
             for key in keys:
                 self._unlink(key)
         return len(keys)

@@ -15,7 +15,7 @@ import pytest
 
 from corpus import LICENCE
 from swarmkv_ffi.fanout import BranchSpec, run_fanout
-from swarmkv_ffi.prefix_cache import TAIL, PrefixCache
+from swarmkv_ffi.prefix_cache import TAIL, CacheFolderError, PrefixCache
 from swarmkv_ffi.snapshot import Snapshot, SnapshotHeader, checksum, tokens_hash
 
 DOC = LICENCE[:2400]
@@ -163,3 +163,101 @@ def test_cli_cache_commands(smol, tmp_path):
     nocache = swarmkv("fanout", "--doc", str(doc), "--ask", "Who?", "--max-tokens", "4", "--no-cache")
     assert "prefilled once" in nocache.stdout
     assert json.loads(swarmkv("cache", "stats", "--json").stdout)["entries"] == 0
+
+
+# ---- a folder other users or processes may touch (issue 22, finding 8) ------------------------
+FP, TOKENS = "f" * 32, list(range(1, 5))
+
+
+def stored(tmp_path, **kw):
+    cache = PrefixCache(tmp_path / "c", **kw)
+    key = cache.store(fake_snapshot(4, 2000, 1), {}, head="the document's first words")
+    return cache, key
+
+
+def test_the_folder_is_private_and_its_files_are_too(tmp_path):
+    cache, key = stored(tmp_path)
+    assert oct(os.stat(cache.root).st_mode & 0o777) == "0o700"
+    for path in cache.root.iterdir():
+        assert path.stat().st_mode & 0o077 == 0, path      # the sidecar holds the document's head
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to hand the folder to another uid")
+def test_a_folder_owned_by_another_user_is_refused(tmp_path):
+    folder = tmp_path / "theirs"
+    folder.mkdir(mode=0o700)
+    os.chown(folder, 65534, 65534)
+    with pytest.raises(CacheFolderError, match="belongs to uid 65534"):
+        PrefixCache(folder)
+
+
+def test_a_folder_others_may_write_is_refused(tmp_path):
+    folder = tmp_path / "open"
+    folder.mkdir()
+    os.chmod(folder, 0o777)
+    with pytest.raises(CacheFolderError, match="writable by others"):
+        PrefixCache(folder)
+
+
+def test_a_planted_lock_symlink_is_not_followed(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    cache, _ = stored(tmp_path)
+    (cache.root / ".lock").unlink()
+    (cache.root / ".lock").symlink_to(victim)
+    with pytest.raises(CacheFolderError, match="never followed"):
+        cache.store(fake_snapshot(4, 2000, 2), {})
+    assert victim.read_text() == "precious"
+
+
+@pytest.mark.parametrize("sidecar", ["types", "key-is-a-path", "huge", "fifo", "dev-zero"])
+def test_bad_sidecars_are_misses_that_delete_only_their_entry(tmp_path, sidecar):
+    outside = tmp_path / "outside.snap"
+    outside.write_text("not the cache's")
+    cache, key = stored(tmp_path)
+    meta = cache.root / f"{key}.json"
+    good = json.loads(meta.read_text())
+    meta.unlink()
+    if sidecar == "types":
+        meta.write_text(json.dumps({**good, "n_tokens": "4"}))
+    elif sidecar == "key-is-a-path":
+        meta.write_text(json.dumps({**good, "key": "../outside"}))
+    elif sidecar == "huge":
+        meta.write_text(json.dumps({**good, "head": "x" * 10_000}))
+    elif sidecar == "fifo":
+        os.mkfifo(meta)
+    else:
+        meta.symlink_to("/dev/zero")
+    assert cache.lookup(FP, {}, TOKENS) is None             # at once: nothing blocks or reads forever
+    assert cache.entries() == [] and not (cache.root / f"{key}.snap").exists()
+    assert outside.read_text() == "not the cache's"
+
+
+def test_a_fifo_snapshot_is_a_miss_without_blocking(tmp_path):
+    cache, key = stored(tmp_path)
+    snap = cache.root / f"{key}.snap"
+    snap.unlink()
+    os.mkfifo(snap)
+    assert cache.lookup(FP, {}, TOKENS) is None and not snap.exists()
+
+
+def rewrite_payload(path) -> None:
+    """What a writer without the key can do: change the KV bytes and fix the crc32."""
+    from swarmkv_ffi.snapshot import Snapshot as S
+    snap = S.load(path)
+    snap.data[:] = 7
+    snap.header = SnapshotHeader(**{**snap.header.__dict__, "checksum": checksum(snap.data)})
+    snap.save(path)
+
+
+def test_crc32_does_not_stop_a_writer_but_the_keyed_mac_does(tmp_path):
+    cache, key = stored(tmp_path)
+    rewrite_payload(cache.root / f"{key}.snap")
+    assert cache.lookup(FP, {}, TOKENS).data[0] == 7         # unkeyed: crc32 only catches accidents
+    keyed = PrefixCache(tmp_path / "k", keyed=True)
+    key = keyed.store(fake_snapshot(4, 2000, 1), {})
+    assert keyed.lookup(FP, {}, TOKENS) is not None
+    assert oct(os.stat(keyed.root / ".key").st_mode & 0o777) == "0o600"
+    rewrite_payload(keyed.root / f"{key}.snap")
+    assert keyed.lookup(FP, {}, TOKENS) is None              # the MAC caught it; the entry is gone
+    assert not (keyed.root / f"{key}.snap").exists()
