@@ -277,9 +277,9 @@ def cmd_probe(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import conductor, defaults, exact, fanout, kernels, peer, tools
+    from .bench import conductor, defaults, exact, fanout, kernels, multiuser, peer, tools
     mains = {"fanout": fanout.main, "conductor": conductor.main, "peer": peer.main, "exact": exact.main,
-             "defaults": defaults.main, "tools": tools.main, "kernels": kernels.main}
+             "defaults": defaults.main, "tools": tools.main, "kernels": kernels.main, "multiuser": multiuser.main}
     return mains[args.which](args.rest)
 
 
@@ -367,8 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("probe", help="find the first graph node whose result depends on the batch "
                                  "(`swarmkv probe --help`)", add_help=False).set_defaults(func=cmd_probe)
 
-    p = sub.add_parser("bench", help="benchmarks: `swarmkv bench fanout|conductor|peer|exact|defaults|tools|kernels --help`")
-    p.add_argument("which", choices=["fanout", "conductor", "peer", "exact", "defaults", "tools", "kernels"],
+    p = sub.add_parser("bench", help="benchmarks: `swarmkv bench "
+                                     "fanout|conductor|peer|exact|defaults|tools|kernels|multiuser --help`")
+    p.add_argument("which", choices=["fanout", "conductor", "peer", "exact", "defaults", "tools", "kernels",
+                                     "multiuser"],
                    help="which benchmark")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="its own options")
     p.set_defaults(func=cmd_bench)

@@ -281,9 +281,9 @@ def test_a_swap_hog_cannot_block_another_users_decode(tmp):
                 "--uid-swap-percent", "0.000001") as d:    # no user's share holds one snapshot
         m = as_user(MALLORY, d, "REGISTER h1 smollm2-135m n_ctx=256", "REGISTER h2 smollm2-135m n_ctx=256",
                     "DECODE h1 4 Once upon a time", "DECODE h2 4 Hello")
-        assert last(m[2]) == "OK done"
-        assert last(m[3]).startswith("ERR SWAP_BUDGET_DENY code=USER_SHARE"), m[3]   # its own share
-        tokens_before = int(fields(as_user(MALLORY, d, "LIST")[0])["tokens"])
+        assert last(m[2]) == last(m[3]) == "OK done"         # a full share slows, never refuses
+        tokens_before = int(fields([line for line in as_user(MALLORY, d, "LIST")[0]
+                                    if "agent_id=h1" in line])["tokens"])
         v = as_user(VICTIM, d, "REGISTER v smollm2-135m n_ctx=256", "DECODE v 4 Hi there")
         assert last(v[1]) == "OK done", v[1]                 # evicting Mallory's agent cost Mallory
         (listing,) = as_user(MALLORY, d, "LIST")

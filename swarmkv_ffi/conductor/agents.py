@@ -50,8 +50,15 @@ class ConductorError(SwarmKVError):
 #: most this many: it is rebuilt from the shared document and a re-decode of those tokens.
 REPLAY_MAX = 2048
 MAX_PREFIX_BYTES = 8 << 20
-#: Tokens a DECODE generates per turn on the slot before it lets another user's DECODE in.
+#: A DECODE's turn on the slot ends, when another user waits, after this many tokens or
+#: this many seconds (its swap-in included), whichever comes first.
 SLICE_TOKENS = 32
+SLICE_SECONDS = 0.25
+REPLAY_CHUNK = 64
+
+
+class Preempted(Exception):
+    """A turn given up before its work began (a re-read interrupted); queue again."""
 
 
 @dataclass
@@ -87,6 +94,8 @@ class Agent:
     pending: int | None = None            # last generated token, not yet decoded
     prefix: SharedPrefix | None = None    # the document it starts from (REGISTER prefix=)
     replay: bool = False                  # paused without a snapshot: re-read history on resume
+    running: bool = False                 # a DECODE of it is between its first and last slice
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def key(self) -> str:
@@ -109,6 +118,9 @@ class DecodeResult:
     restored: bool
     text: str
     cancelled: bool = False
+    queued_ms: float = 0.0     # waiting for turns on the slot (other users' slices)
+    swap_ms: float = 0.0       # making the agent live (snapshot out, restore or re-read in)
+    slices: int = 0
 
 
 class Conductor:
@@ -358,20 +370,52 @@ class Conductor:
         if not 1 <= max_tokens <= 4096:
             raise ConductorError("BAD_REQUEST", f"max_tokens must be in 1..4096, got {max_tokens}")
         stop = lambda: bool(should_stop and should_stop()) or self._past_deadline()  # noqa: E731
-        t0, run = time.perf_counter_ns(), None
+        t0, run, waits, swaps = time.perf_counter_ns(), None, 0.0, 0.0
         while True:
+            t_wait = time.perf_counter()
             with self._slot_turn(owner):
-                agent = self.get(agent_id, owner)       # the owner's agent, looked up now
-                if run is not None and agent is not run.agent:
-                    raise ConductorError("UNKNOWN_AGENT", f"agent {agent_id} was unregistered during the DECODE")
-                agent.last_used = time.monotonic()
-                if run is None and stop():
-                    return DecodeResult(agent_id, 0, 0, False, 0.0, None, False, "", cancelled=True)
-                evicted, restored, ctx = self._swap_in(agent)
-                if run is None:
-                    run = self._begin(agent, ctx, prompt, max_tokens, evicted, restored)
-                if self._slice(run, ctx, stop):
-                    return run.result(agent_id, (time.perf_counter_ns() - t0) / 1e6)
+                waits += time.perf_counter() - t_wait
+                try:
+                    agent = self.get(agent_id, owner)       # the owner's agent, looked up now
+                    if run is not None and agent is not run.agent:
+                        raise ConductorError("UNKNOWN_AGENT", f"agent {agent_id} was unregistered during the DECODE")
+                    agent.last_used = time.monotonic()
+                    if run is None and stop():
+                        return DecodeResult(agent_id, 0, 0, False, 0.0, None, False, "", cancelled=True)
+                    with agent.lock:
+                        t_swap = time.perf_counter()
+                        try:
+                            evicted, restored, ctx = self._swap_in(agent)
+                        except Preempted:
+                            swaps += time.perf_counter() - t_swap
+                            continue
+                        swaps += time.perf_counter() - t_swap
+                        if run is None:
+                            run = self._begin(agent, ctx, prompt, max_tokens, evicted, restored)
+                            agent.running = True
+                        if self._slice(run, ctx, stop):
+                            agent.running = False
+                            r = run.result(agent_id, (time.perf_counter_ns() - t0) / 1e6)
+                            r.queued_ms, r.swap_ms, r.slices = waits * 1e3, swaps * 1e3, run.slices
+                            return r
+                except BaseException:
+                    if run is not None:
+                        run.agent.running = False
+                        if run.slices and run.agent is self.agents.get((owner, agent_id)):
+                            self._abandon(run)
+                    raise
+
+    def _abandon(self, run: "_Run") -> None:
+        """A DECODE failed between slices (its agent may be paused): put the agent back as
+        it was before the DECODE. Paused, it keeps its tokens and re-reads them."""
+        agent = run.agent
+        agent.history, agent.pending = agent.history[:run.n_history], run.pending
+        if self.live and self.live[0] is agent:
+            self._roll_back(run, self.live[1])
+        elif agent.saved is not None or agent.state == "suspended":
+            self._drop_saved(agent)
+            agent.replay = bool(agent.history) and agent.prefix is None
+            agent.state = "suspended" if agent.history else "cold"
 
     def _slot_turn(self, owner: int):
         """A turn on the slot; a DECODE queued when the daemon stops is CANCELLED."""
@@ -410,7 +454,8 @@ class Conductor:
         def pause() -> bool:     # asked before each token is sampled
             if stop():
                 return True
-            if taken[0] >= SLICE_TOKENS and self.slot.others_waiting(agent.owner):
+            if taken[0] and (taken[0] >= SLICE_TOKENS or self.slot.held_for() >= SLICE_SECONDS) \
+                    and self.slot.others_waiting(agent.owner):
                 yielded.append(True)
                 return True
             taken[0] += 1
@@ -476,7 +521,7 @@ class Conductor:
         evicted = None
         if self.live:
             other, ctx = self.live
-            self._pause(other, ctx, for_owner=agent.owner)
+            self._pause(other, ctx)
             ctx.close()
             self.live, evicted = None, other
         ctx = self._new_context(agent.loaded, agent.n_ctx, exact=agent.prefix is not None)
@@ -489,8 +534,7 @@ class Conductor:
             elif agent.prefix is not None:
                 restored = self._start_from_prefix(agent, ctx)
             elif agent.replay:
-                ctx.decode_tokens(agent.history, 0, logits_last=False)
-                agent.replay = False
+                self._replay(agent, ctx)
         except BaseException:
             ctx.close()
             raise
@@ -498,11 +542,23 @@ class Conductor:
         self.live = (agent, ctx)
         return evicted, restored, ctx
 
-    def _pause(self, other: Agent, ctx: Context, for_owner: int) -> None:
+    def _replay(self, agent: Agent, ctx: Context) -> None:
+        """Re-read a paused agent's history (its KV did not fit the swap budget), a chunk
+        at a time: when another user who has used less of the slot waits, give the turn
+        up (Preempted) and start again at a later turn, so a long re-read cannot hold
+        the others (it is its owner's cost, not theirs)."""
+        history = agent.history
+        for start in range(0, len(history), REPLAY_CHUNK):
+            if start and self.slot.held_for() >= SLICE_SECONDS and self.slot.others_waiting(agent.owner):
+                raise Preempted()
+            ctx.decode_tokens(history[start:start + REPLAY_CHUNK], start, logits_last=False)
+        agent.replay = False
+
+    def _pause(self, other: Agent, ctx: Context) -> None:
         """Keep the live agent's KV in host RAM, booked to its owner's swap share. If that
-        share (or the budget) is full: the owner's own DECODE is refused
-        (SWAP_BUDGET_DENY); another user's goes ahead and the paused agent keeps only its
-        tokens, re-read at its next DECODE, so one user's hoard never blocks another."""
+        share (or the whole budget) is full, the agent keeps only its tokens and its next
+        DECODE re-reads them: a full swap budget slows its owner's agents down, and never
+        refuses anyone's DECODE (one user's hoard cannot block another's)."""
         replayable = bool(other.history) and self._replayable(other)
         if other.history and not replayable:
             key = f"swap:{other.key}"
@@ -510,8 +566,6 @@ class Conductor:
                 self.swap.reserve(key, max(1, ctx.seq_state_size(0)),
                                   cap=self._cap(self.swap, self.quotas.swap_share, other.owner))
             except LedgerDenied:
-                if other.owner == for_owner:
-                    raise
                 other.replay = True
             else:
                 try:
@@ -549,7 +603,17 @@ class Conductor:
         return restored
 
     def reset(self, agent_id: str, owner: int | None = None) -> None:
+        """Clear the agent's conversation. An agent that is neither live nor in a DECODE
+        is cleared at once; otherwise the RESET waits for a turn on the slot."""
         owner = self.admin if owner is None else owner
+        agent = self.get(agent_id, owner)
+        with agent.lock:        # held by a turn that is swapping this agent in or decoding it
+            if not agent.running and not (self.live and self.live[0] is agent):
+                agent.last_used = time.monotonic()
+                agent.history, agent.pending = [], None
+                self._drop_saved(agent)
+                agent.state = "cold"
+                return
         with self._slot_turn(owner):
             agent = self.get(agent_id, owner)
             agent.last_used = time.monotonic()

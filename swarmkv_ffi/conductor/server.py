@@ -340,6 +340,7 @@ class Server:
                             stopped_on_eos=r.stopped_on_eog),  # the wire keeps the SPEC's name
                 protocol.kv(elapsed_ms=r.elapsed_ms),
                 protocol.kv(kv_swap_evicted=r.evicted, kv_swap_restored=r.restored),
+                protocol.kv(queued_ms=r.queued_ms, swap_ms=r.swap_ms, slices=r.slices),
             ], body=r.text, agent_id=r.agent_id)
         raise protocol.ProtocolError("UNKNOWN_VERB", req.verb)
 
