@@ -381,3 +381,58 @@ def test_stop_leaves_a_socket_path_another_daemon_took(tmp):
         assert d.path.exists() and "no longer ours" in d.logs()
     finally:
         other.close()
+
+
+def nobody_can_run_the_daemon() -> bool:
+    import subprocess
+    import sys
+    try:
+        probe = subprocess.run([sys.executable, "-c", "import swarmkv_ffi.library as l; l.backend()"],
+                               capture_output=True, preexec_fn=lambda: (os.setgid(MALLORY), os.setuid(MALLORY)))
+    except OSError:                      # e.g. a python under a 0700 /root
+        return False
+    return probe.returncode == 0
+
+
+def test_a_descriptor_this_process_may_not_reopen_is_loaded_from_a_sealed_copy(files):
+    """What a daemon that is not root meets (the next test, where this machine allows):
+    a client's 0600 file, readable through the descriptor, refused through its path."""
+    from swarmkv_ffi.conductor.modelfile import LoadableCopy, OpenModel, fd_path, reopenable
+    src = files["own_model"]
+    with OpenModel(src) as (mf, fd):
+        pid = os.fork()
+        if pid == 0:                                  # a process of another uid holding the descriptor
+            code = 1
+            try:
+                os.setgid(MALLORY)
+                os.setuid(MALLORY)
+                assert not reopenable(fd)
+                with LoadableCopy(mf, fd) as copy:
+                    assert copy != fd and reopenable(copy)
+                    with open(fd_path(copy), "rb") as f:
+                        assert f.read(1 << 20) == os.pread(fd, 1 << 20, 0)
+                    assert os.fstat(copy).st_size == mf.identity[2]
+                code = 0
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_a_daemon_that_is_not_root_loads_a_users_private_model_it_cannot_open(tmp, files):
+    """The recommended set-up: the daemon runs as its own user. A client's 0600 model
+    arrives as a descriptor the daemon may read but not reopen by path (libllama's way):
+    it is loaded from a sealed in-memory copy."""
+    if not nobody_can_run_the_daemon():
+        pytest.skip("this package's install is not readable by uid 65534")
+    folder = own_tmp(tmp, "nonroot")
+    os.chown(folder, MALLORY, MALLORY)
+    d = Daemon(folder, "--allow-uid", str(VICTIM), preexec_fn=lambda: (os.setgid(MALLORY), os.setuid(MALLORY)))
+    try:
+        reg, dec = as_user(VICTIM, d, ("REGISTER own @fd n_ctx=256", [files["own_model"]]), "DECODE own 3 Hello")
+        assert last(reg) == "OK done", reg
+        assert int(fields(dec)["generated_tokens"]) >= 1
+    finally:
+        d.stop()

@@ -30,7 +30,7 @@ from ..procmem import rss_bytes
 from . import sandbox
 from .estimate import Estimate, estimate
 from .ledger import Ledger, LedgerDenied
-from .modelfile import ModelFile, ModelSource, OpenModel, check_unchanged, fd_path
+from .modelfile import LoadableCopy, ModelFile, ModelSource, OpenModel, check_unchanged, fd_path
 from .quotas import UNLIMITED, Quotas
 from .registry import Loaded, ModelRegistry
 from .slot import FairSlot, SlotClosed
@@ -183,11 +183,11 @@ class Conductor:
     def _register(self, agent_id: str, model: str | ModelSource, n_ctx: int, owner: int) -> Agent:
         source = model if isinstance(model, ModelSource) else self._trusted_source(model)
         try:
-            with source.open() as (mf, fd):
+            with source.open() as (mf, sent), LoadableCopy(mf, sent) as fd:
                 facts = None if source.trusted else sandbox.check(mf, fd, owner, self._gid(owner))
                 est = self._estimate(source.name, mf, fd, n_ctx, facts)
                 with self.registry.gate(mf.key):
-                    loaded, measured = self._admit(f"{owner}:{agent_id}", owner, mf, fd, est, n_ctx)
+                    loaded, measured = self._admit(f"{owner}:{agent_id}", owner, mf, fd, est, n_ctx, sent)
         except ModelLoadError as exc:
             raise ConductorError("MODEL_LOAD_FAILED", str(exc)) from None
         agent = Agent(agent_id, source.name, mf.path, n_ctx, loaded, est, mf, owner=owner,
@@ -249,10 +249,11 @@ class Conductor:
         return sum(e.measured_bytes for k in keys if (e := self.registry.loaded(k)) is not None)
 
     def _admit(self, ref: str, owner: int, mf: ModelFile, fd: int, est: Estimate,
-               n_ctx: int) -> tuple[Loaded, int]:
+               n_ctx: int, sent: int) -> tuple[Loaded, int]:
         """reserve → load → measure → book what was measured, all within the budget and
         the owner's share; any failure undoes every step. The caller holds the model's
-        gate, so whether its weights are already booked cannot change under us."""
+        gate, so whether its weights are already booked cannot change under us. fd: what
+        libllama loads; sent: the file as opened (checked unchanged)."""
         model_key, agent_key = f"model:{mf.key}", f"agent:{ref}"
         shared = self.registry.loaded(mf.key) is not None
         cap = self._cap(self.ledger, self.quotas.ledger_share, owner)
@@ -261,7 +262,7 @@ class Conductor:
         self.ledger.reserve(agent_key, est.agent_bytes if shared and est.agent_bytes else est.total,
                             cap=cap, base=self._weights_used_by(owner, mf.key))
         try:
-            check_unchanged(mf, fd)
+            check_unchanged(mf, sent)
             loaded, newly = self.registry.acquire(mf.key, fd_path(fd), ref, name=str(mf.path))
         except BaseException:
             self.ledger.release(agent_key)

@@ -124,6 +124,47 @@ def fd_path(fd: int) -> str:
     return f"/proc/self/fd/{fd}"
 
 
+def reopenable(fd: int) -> bool:
+    """Can this process open fd_path(fd)? Opening /proc/self/fd/N checks the file's own
+    permissions again: a descriptor another user sent for a file only they may read
+    works for reads (pread) but not for libllama, which opens by path."""
+    try:
+        os.close(os.open(fd_path(fd), os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY))
+        return True
+    except PermissionError:
+        return False
+
+
+class LoadableCopy:
+    """`with LoadableCopy(mf, fd) as load_fd:` a descriptor libllama can open by path:
+    `fd` itself when this process may reopen it, else a sealed in-memory copy (memfd) of
+    the file, freed on exit (the daemon loads weights into its own memory anyway)."""
+
+    def __init__(self, mf: ModelFile, fd: int):
+        self.mf, self.fd, self.copy = mf, fd, -1
+
+    def __enter__(self) -> int:
+        if reopenable(self.fd):
+            return self.fd
+        import fcntl
+        self.copy = os.memfd_create("lmxd-model", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        size, done = self.mf.identity[2], 0
+        while done < size:
+            n = os.sendfile(self.copy, self.fd, done, min(size - done, 1 << 30))   # in the kernel
+            if n == 0:
+                raise ModelLoadError(f"{self.mf.path} shrank while it was copied")
+            done += n
+        check_unchanged(self.mf, self.fd)
+        fcntl.fcntl(self.copy, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+        return self.copy
+
+    def __exit__(self, *exc) -> None:
+        if self.copy >= 0:
+            os.close(self.copy)
+            self.copy = -1
+
+
 def check_unchanged(mf: ModelFile, fd: int) -> None:
     """Refuse a file that changed (grew, shrank, rewritten) since it was checked."""
     if identity(os.fstat(fd)) != mf.identity:
