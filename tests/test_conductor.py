@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from lmxd_daemon import SYSTEM_PYTHON, Daemon, wait_decoding
+from swarmkv_ffi.conductor import protocol
 from swarmkv_ffi.conductor.client import LmxError
 
 pytestmark = pytest.mark.timeout(600)
@@ -317,3 +318,15 @@ def test_swap_after_end_of_generation(daemon, agents):
         assert again["fields"]["kv_swap_restored"] == "true"
         assert again["fields"]["stopped_on_eos"] == "false"  # max_tokens stopped it
         assert int(again["fields"]["generated_tokens"]) == 4
+
+
+def test_the_protocol_reference_lists_every_verb_and_error_code_the_daemon_has():
+    """docs/lmxd.md's tables are what HELP says (a code added to one is added to both)."""
+    doc = (Path(__file__).parents[1] / "docs" / "lmxd.md").read_text()
+    verbs = {line.split()[0] for line in protocol.HELP if line[:1].isupper() and " " in line}
+    verbs &= {"HELP", "STATUS", "LIST", "REGISTER", "UNREGISTER", "DECODE", "RESET"}
+    assert len(verbs) == 7
+    for verb in verbs:
+        assert f"| `{verb}" in doc, verb
+    documented = set(re.findall(r"^\| ([A-Z_]+) \|", doc, re.M))
+    assert documented == set(protocol.ERROR_CODES), documented ^ set(protocol.ERROR_CODES)
