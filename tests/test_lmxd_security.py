@@ -436,3 +436,21 @@ def test_a_daemon_that_is_not_root_loads_a_users_private_model_it_cannot_open(tm
         assert int(fields(dec)["generated_tokens"]) >= 1
     finally:
         d.stop()
+
+
+def test_models_dir_names_are_files_inside_it_only(tmp, files):
+    models = own_tmp(tmp, "models")
+    shutil.copy(catalog.resolve("smollm2-135m"), models / "smol.gguf")
+    os.chmod(models / "smol.gguf", 0o644)
+    with Daemon(own_tmp(tmp, "md"), "--allow-uid", str(MALLORY), "--models-dir", str(models)) as d:
+        ok, escape, absolute = as_user(MALLORY, d, "REGISTER m smol.gguf n_ctx=256",
+                                       "REGISTER e ../victim-home/mine.gguf n_ctx=256",
+                                       f"REGISTER a {files['own_model']} n_ctx=256")
+        assert last(ok) == "OK done", ok
+        assert last(escape).startswith("ERR UNKNOWN_MODEL") and last(absolute).startswith("ERR UNKNOWN_MODEL")
+    os.chmod(models, 0o777)
+    import subprocess
+    import sys
+    bad = subprocess.run([sys.executable, "-m", "swarmkv_ffi.conductor.server", "--socket", str(tmp / "x.sock"),
+                          "--models-dir", str(models)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "writable by others" in bad.stderr
