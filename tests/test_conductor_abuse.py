@@ -10,8 +10,6 @@ import os
 import resource
 import shutil
 import socket
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -19,7 +17,6 @@ import pytest
 
 from swarmkv_ffi import catalog
 from swarmkv_ffi.conductor import protocol
-from swarmkv_ffi.conductor.client import LmxError
 from lmxd_daemon import Daemon, eventually, wait_decoding
 
 pytestmark = pytest.mark.timeout(600)

@@ -92,6 +92,17 @@ def read_reply(sock: socket.socket) -> list[str]:
             return lines
 
 
+def queue_behind(d: Daemon, running: bytes, queued: bytes) -> tuple[socket.socket, socket.socket]:
+    """Start the DECODE `running`, then queue `queued` behind it (the daemon says so)."""
+    first = d.raw_socket()
+    first.sendall(running + b"\n")
+    wait_decoding(d, running.split()[1].decode())
+    second = d.raw_socket()
+    second.sendall(queued + b"\n")
+    eventually(lambda: d.client().status()["fields"]["decode_queue"] != "0", what="the DECODE to queue")
+    return first, second
+
+
 def rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
@@ -197,12 +208,7 @@ def test_a_queued_decode_runs_in_its_owners_agent_only(daemon):
     with daemon.client() as c:
         c.register("busy", "smollm2-135m", n_ctx=512)
         c.register("x", "smollm2-135m", n_ctx=256)
-    long_run = daemon.raw_socket()
-    long_run.sendall(b"DECODE busy 200 Count: 1, 2, 3,\n")
-    wait_decoding(daemon, "busy")
-    queued = daemon.raw_socket()
-    queued.sendall(b"DECODE x 4 Hello\n")
-    eventually(lambda: daemon.client().status()["fields"]["decode_queue"] != "0", what="the DECODE to queue")
+    long_run, queued = queue_behind(daemon, b"DECODE busy 200 Count: 1, 2, 3,", b"DECODE x 4 Hello")
     (reg,) = as_user(MALLORY, daemon, "REGISTER x smollm2-135m n_ctx=256")
     assert last(reg) == "OK done"
     queued.settimeout(300)
@@ -355,12 +361,7 @@ def test_sigterm_cancels_the_queue_and_bounds_the_running_decode(tmp):
     with d.client() as c:
         c.register("a", "smollm2-135m", n_ctx=4200)
         c.register("b", "smollm2-135m", n_ctx=256)
-    running = d.raw_socket()
-    running.sendall(b"DECODE a 4000 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,\n")
-    wait_decoding(d, "a")
-    queued = d.raw_socket()
-    queued.sendall(b"DECODE b 10 Hello\n")
-    eventually(lambda: d.client().status()["fields"]["decode_queue"] == "1", what="the DECODE to queue")
+    running, queued = queue_behind(d, b"DECODE a 4000 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", b"DECODE b 10 Hello")
     t0 = time.monotonic()
     d.proc.terminate()
     queued.settimeout(30)

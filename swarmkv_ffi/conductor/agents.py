@@ -8,9 +8,11 @@ persists across DECODEs, so an interrupted conversation continues exactly where 
 Agents belong to the uid that registered them and are named within it: two users may
 both have an agent `a`, and every lookup is by (uid, id) at the moment of use, so no
 request can reach another user's agent or learn whether it exists. DECODEs take turns on
-the compute slot round-robin across users (slot.py), one slice of SLICE_TOKENS tokens
-per turn; REGISTER, STATUS and LIST never wait for it. Per-user quotas (quotas.py) cap
-what one user may take of the agents, the device budget and the swap budget.
+the compute slot, shared fairly between users by time held (slot.py), one slice (at most
+SLICE_TOKENS tokens or SLICE_SECONDS) per turn when others wait; REGISTER, STATUS and
+LIST never wait for it. Per-user quotas (quotas.py) cap what one user may take of the
+agents, the device budget and the swap budget; a paused agent whose KV does not fit the
+swap budget keeps its tokens and re-reads them when it comes back.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from ..procmem import rss_bytes
 from . import sandbox
 from .estimate import Estimate, estimate
 from .ledger import Ledger, LedgerDenied
-from .modelfile import LoadableCopy, ModelFile, ModelSource, OpenModel, check_unchanged, fd_path
+from .modelfile import LoadableCopy, ModelFile, ModelSource, check_unchanged, fd_path
 from .quotas import UNLIMITED, Quotas
 from .registry import Loaded, ModelRegistry
 from .slot import FairSlot, SlotClosed
@@ -324,13 +326,18 @@ class Conductor:
             if self.live and self.live[0] is agent:
                 self.live[1].close()
                 self.live = None
-            self._drop_saved(agent)
-            self._release_prefix(agent)
+            self._free(agent)
+        return agent
+
+    def _free(self, agent: Agent) -> None:
+        """Release everything an agent that left the table holds: its saved KV, its share
+        of a document, its bookings, its reference to the model."""
+        self._drop_saved(agent)
+        self._release_prefix(agent)
         self.ledger.release(f"agent:{agent.key}")
         with self.registry.gate(agent.file.key):
             if self.registry.release(agent.file.key, agent.key):
                 self.ledger.release(f"model:{agent.file.key}")
-        return agent
 
     def expire_idle(self) -> list[str]:
         """Unregister agents unused for agent_ttl seconds (0: never); returns their ids."""
@@ -643,12 +650,7 @@ class Conductor:
             self.live[1].close()
             self.live = None
         for agent in agents:
-            self._drop_saved(agent)
-            self._release_prefix(agent)
-            self.ledger.release(f"agent:{agent.key}")
-            with self.registry.gate(agent.file.key):
-                if self.registry.release(agent.file.key, agent.key):
-                    self.ledger.release(f"model:{agent.file.key}")
+            self._free(agent)
 
 
 class _Turn:

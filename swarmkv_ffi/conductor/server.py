@@ -3,15 +3,15 @@
 One thread per client connection, at most --max-clients of them and
 --max-clients-per-uid per user (the next one gets ERR BUSY); a connection that does not
 complete a request line within --idle-timeout seconds is closed. DECODEs take turns on
-the compute slot round-robin across users; STATUS, LIST and HELP never wait for it. The
-socket is created with mode 0600 and every peer's uid is checked (SO_PEERCRED); agents
-are named per uid and reachable only by it. Model files and prefix documents come as
-descriptors the client opened (access.py); untrusted models load in a sandboxed child
-first (sandbox.py). Lines longer than the cap are answered with LINE_TOO_LONG and skipped
-without being stored. Running out of file descriptors or threads is answered, never
-fatal. SIGTERM/SIGINT: stop accepting, cancel queued DECODEs, give the running one
---shutdown-grace seconds, remove the socket if it is still ours. The security model:
-docs/lmxd-security.md.
+the compute slot, shared fairly (by time held) between users; STATUS, LIST and HELP
+never wait for it. The socket is created with mode 0600 and every peer's uid is checked
+(SO_PEERCRED); agents are named per uid and reachable only by it. Model files and prefix
+documents come as descriptors the client opened (access.py); untrusted models load in a
+sandboxed child first (sandbox.py). Lines longer than the cap are answered with
+LINE_TOO_LONG and skipped without being stored. Running out of file descriptors or
+threads is answered, never fatal. SIGTERM/SIGINT: stop accepting, cancel queued DECODEs,
+give the running one --shutdown-grace seconds, remove the socket if it is still ours.
+The security model: docs/lmxd-security.md.
 """
 from __future__ import annotations
 
