@@ -16,7 +16,8 @@ LLAMA_COMMIT=0c1e570          # vendor/llama.cpp inside that sdist (2026-10-01)
 
 usage() {
     cat <<USAGE
-usage: $0 [--portable] [--amx] [--cuda] [--cuda-arch ARCHS] [--prefix DIR] [--tools] [--jobs N] [--force]
+usage: $0 [--portable|--baseline] [--amx] [--cuda] [--cuda-arch ARCHS] [--prefix DIR] [--tools]
+       [--tools-min] [--source-archive FILE] [--jobs N] [--force]
 
 Builds libllama (llama.cpp ${LLAMA_COMMIT}, from ${SDIST_NAME}==${SDIST_VERSION}) into ./libllama/,
 proves it with one real decode in a child process, then writes libllama/manifest.json.
@@ -29,6 +30,11 @@ refuses to load it on a CPU that lacks one (instead of dying with SIGILL).
 
   --portable         compile for any x86-64 with AVX2/FMA/F16C (any ARMv8 on arm64)
                      instead of this CPU: one build for every node of a cluster
+  --baseline         compile for x86-64-v2: SSE4.2 and SSSE3, no AVX (128-bit vectors
+                     where the default has 256 or 512): a second kernel set that rounds
+                     differently, so tests can check that a claim does not hold by
+                     accident of one instruction set (CI builds it with --prefix and runs
+                     the fidelity-marked tests against it). x86-64 only
   --amx              keep ggml's AMX matmul path (Intel Sapphire Rapids and newer).
                      Known to die with SIGILL at this pin (see the comment below); off
                      by default
@@ -39,7 +45,15 @@ refuses to load it on a CPU that lacks one (instead of dying with SIGILL).
                      pin into PREFIX/tools-stock/ (the peers our benchmarks compare us
                      with), and llama-bench and llama-batched-bench with our patches
                      into PREFIX/tools/ (\`swarmkv bench kernels\` runs both)
+  --tools-min        only the stock llama-batched-bench and llama-quantize (into
+                     PREFIX/tools-stock/): what bench/gpu_check.sh needs, in one tools
+                     build instead of two (our patches are CPU kernels: on a GPU the
+                     stock and patched tools compute alike)
   --prefix DIR       install into DIR instead of ./libllama (use it with SWARMKV_LIBLLAMA=DIR/lib)
+  --source-archive F build from F instead of downloading the sdist: the pinned
+                     vendor/llama.cpp without its models/ and docs/ (9 MB instead of 77),
+                     made from the checked sdist by bench/gpu_wheels.sh, for a machine
+                     without network; it must name this pin's sdist sha256
   --jobs N           parallel compile jobs (default: nproc)
   --force            rebuild even if the installed manifest matches
   -h, --help         this text
@@ -52,15 +66,18 @@ die() { echo "build_llama.sh: error: $*" >&2; exit 1; }
 say() { echo "build_llama.sh: $*" >&2; }
 
 backend=cpu; cuda_arch=""; jobs=$(nproc 2>/dev/null || echo 2); force=0
-target=native; amx=0; prefix_arg=""; tools=0
+target=native; amx=0; prefix_arg=""; tools=0; archive=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --portable) target=portable ;;
+        --baseline) target=baseline ;;
         --tools) tools=1 ;;
+        --tools-min) tools=min ;;
         --amx) amx=1 ;;
         --cuda) backend=cuda ;;
         --cuda-arch) [ $# -ge 2 ] || die "--cuda-arch needs a value"; cuda_arch="$2"; shift ;;
         --prefix) [ $# -ge 2 ] || die "--prefix needs a value"; prefix_arg="$2"; shift ;;
+        --source-archive) [ $# -ge 2 ] || die "--source-archive needs a file"; archive="$2"; shift ;;
         --jobs) [ $# -ge 2 ] || die "--jobs needs a value"; jobs="$2"; shift ;;
         --force) force=1 ;;
         -h|--help) usage; exit 0 ;;
@@ -69,7 +86,8 @@ while [ $# -gt 0 ]; do
     shift
 done
 [ -n "$cuda_arch" ] && [ "$backend" != cuda ] && die "--cuda-arch only makes sense with --cuda"
-[ $amx = 1 ] && [ $target = portable ] && die "--amx and --portable do not go together (AMX is not portable)"
+[ $amx = 1 ] && [ $target != native ] && die "--amx goes only with the native build (AMX is not portable)"
+[ $target = baseline ] && [ "$(uname -m)" != x86_64 ] && die "--baseline is an x86-64 target"
 
 root=$(cd "$(dirname "$0")" && pwd)
 prefix="${prefix_arg:-$root/libllama}"
@@ -109,6 +127,7 @@ case "$arch-$target" in
             cpu_cflags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
         fi ;;
     x86_64-portable) probe_cflags="-msse4.2 -mavx -mavx2 -mfma -mf16c -mbmi2" ;;
+    x86_64-baseline) probe_cflags="-msse4.2 -mssse3 -mpopcnt" ;;
     aarch64-native|arm64-native) probe_cflags="-mcpu=native" ;;
     *-portable) probe_cflags="" ;;
     *) probe_cflags="-march=native" ;;
@@ -140,9 +159,11 @@ if [ $target = native ]; then
     flags+=(-DGGML_NATIVE=ON)
 else
     flags+=(-DGGML_NATIVE=OFF)
-    case "$arch" in
-        x86_64) flags+=(-DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
-                        -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF) ;;
+    case "$arch-$target" in
+        x86_64-portable) flags+=(-DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+                                 -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF) ;;
+        x86_64-baseline) flags+=(-DGGML_SSE42=ON -DGGML_AVX=OFF -DGGML_AVX2=OFF -DGGML_FMA=OFF -DGGML_F16C=OFF
+                                 -DGGML_BMI2=OFF -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF) ;;
     esac
 fi
 [ -n "$cpu_cflags" ] && flags+=("-DCMAKE_C_FLAGS=$cpu_cflags" "-DCMAKE_CXX_FLAGS=$cpu_cflags")
@@ -153,7 +174,9 @@ fi
 patches=("$root"/kernels/ggml/*.patch)
 [ -e "${patches[0]}" ] || die "no patches found in $root/kernels/ggml/ (a broken checkout?)"
 patch_set=$(cat "${patches[@]}" | sha256sum | cut -c1-16)
-command -v patch >/dev/null || die "the 'patch' program is needed to apply kernels/ggml/*.patch (apt-get install patch)"
+if command -v patch >/dev/null; then apply=patch
+elif command -v git >/dev/null; then apply=git
+else die "the 'patch' program (or git) is needed to apply kernels/ggml/*.patch (apt-get install patch)"; fi
 
 # The CPU features are part of the key: a cache or clone moved to another CPU rebuilds.
 key=$(printf '%s\n' "$SDIST_SHA256" "${flags[@]}" "$cpu_features" "$patch_set" | sha256sum | cut -c1-16)
@@ -163,39 +186,53 @@ lib_ready=0
 if [ $force = 0 ] && [ -f "$manifest" ] && grep -q "\"build_key\": \"$key\"" "$manifest" \
    && [ -f "$prefix/lib/libllama.so" ] && [ -f "$prefix/include/llama.h" ]; then
     lib_ready=1
-    if [ $tools = 0 ] || { [ -x "$prefix/tools/llama-batched-bench" ] && [ -x "$prefix/tools-stock/llama-server" ]; }; then
+    if [ $tools = 0 ] || { [ $tools = 1 ] && [ -x "$prefix/tools/llama-batched-bench" ] && [ -x "$prefix/tools-stock/llama-server" ]; } \
+       || { [ $tools = min ] && [ -x "$prefix/tools-stock/llama-batched-bench" ] && [ -x "$prefix/tools-stock/llama-quantize" ]; }; then
         say "up to date ($backend, $target CPU build, llama.cpp $LLAMA_COMMIT)"
         echo "$prefix/lib/libllama.so"
         exit 0
     fi
 fi
 
-# ---- source: the sdist, checked ------------------------------------------------------
-mkdir -p "$cache/sdist"
-tarball="$cache/sdist/llama_cpp_python-${SDIST_VERSION}.tar.gz"
-if [ ! -f "$tarball" ]; then
-    say "downloading ${SDIST_NAME}==${SDIST_VERSION} source distribution from PyPI"
-    "$py" -m pip download --quiet --no-binary :all: --no-deps \
-        "${SDIST_NAME}==${SDIST_VERSION}" -d "$cache/sdist" 2>&1 | tail -5 >&2 \
-        || true
-    [ -f "$tarball" ] || die "could not download ${SDIST_NAME}==${SDIST_VERSION} from PyPI; is the registry reachable (pip config, proxy)? You can also place the file at $tarball"
-fi
-got=$(sha256sum "$tarball" | cut -d' ' -f1)
-if [ "$got" != "$SDIST_SHA256" ]; then
-    rm -f "$tarball"
-    die "sha256 mismatch for $(basename "$tarball"): got $got, want $SDIST_SHA256 (removed it; run again to re-download)"
-fi
-
+# ---- source: the sdist, checked (or a trimmed archive of it) ---------------------------
 src="$cache/src-$SDIST_VERSION"
+if [ -n "$archive" ] && [ ! -f "$src/.extracted" ]; then
+    [ -f "$archive" ] || die "--source-archive $archive: no such file"
+    say "extracting the trimmed llama.cpp sources from $archive"
+    rm -rf "$src"; mkdir -p "$src"
+    tar xJf "$archive" -C "$src" || die "could not extract $archive"
+    [ "$(cat "$src/.sdist-sha256" 2>/dev/null)" = "$SDIST_SHA256" ] \
+        || { rm -rf "$src"; die "$archive was not made from ${SDIST_NAME}==${SDIST_VERSION} (sha256 $SDIST_SHA256); remake it with bench/gpu_wheels.sh"; }
+    touch "$src/.extracted"
+fi
 if [ ! -f "$src/.extracted" ]; then
+    mkdir -p "$cache/sdist"
+    tarball="$cache/sdist/llama_cpp_python-${SDIST_VERSION}.tar.gz"
+    if [ ! -f "$tarball" ]; then
+        say "downloading ${SDIST_NAME}==${SDIST_VERSION} source distribution from PyPI"
+        "$py" -m pip download --quiet --no-binary :all: --no-deps \
+            "${SDIST_NAME}==${SDIST_VERSION}" -d "$cache/sdist" 2>&1 | tail -5 >&2 \
+            || true
+        [ -f "$tarball" ] || die "could not download ${SDIST_NAME}==${SDIST_VERSION} from PyPI; is the registry reachable (pip config, proxy)? You can also place the file at $tarball, or build from a --source-archive"
+    fi
+    got=$(sha256sum "$tarball" | cut -d' ' -f1)
+    if [ "$got" != "$SDIST_SHA256" ]; then
+        rm -f "$tarball"
+        die "sha256 mismatch for $(basename "$tarball"): got $got, want $SDIST_SHA256 (removed it; run again to re-download)"
+    fi
     say "extracting vendor/llama.cpp"
     rm -rf "$src"; mkdir -p "$src"
     tar xzf "$tarball" -C "$src" --strip-components=3 "llama_cpp_python-${SDIST_VERSION}/vendor/llama.cpp" \
         || die "could not extract vendor/llama.cpp from $tarball"
     rm -f "$src/.git"   # a submodule pointer into a .git we do not have
+    echo "$SDIST_SHA256" >"$src/.sdist-sha256"
     touch "$src/.extracted"
 fi
 pristine="$src"
+apply_patch() {  # PATCH: apply it to $src with patch(1), or with git apply where patch is missing
+    if [ "$apply" = patch ]; then patch -p1 --batch --forward --silent -d "$src" <"$1"
+    else (cd "$src" && git apply -p1 --unsafe-paths "$1"); fi
+}
 # One patched tree whatever the patch set (its .patched names the set it holds): the
 # source paths stay the same from one patch set to the next, so ccache recompiles only
 # the files a patch changed.
@@ -204,7 +241,7 @@ if [ "$(cat "$src/.patched" 2>/dev/null)" != "$patch_set" ]; then
     say "applying ${#patches[@]} patches from kernels/ggml/"
     rm -rf "$src"; cp -a "$pristine" "$src"
     for p in "${patches[@]}"; do
-        patch -p1 --batch --forward --silent -d "$src" <"$p" >"$cache/patch.log" 2>&1 \
+        apply_patch "$p" >"$cache/patch.log" 2>&1 \
             || { cat "$cache/patch.log" >&2; rm -rf "$src"; die "$(basename "$p") does not apply to llama.cpp $LLAMA_COMMIT (see above); fix the patch or the pin"; }
     done
     echo "$patch_set" >"$src/.patched"
@@ -236,9 +273,14 @@ build_tools_from() {   # SOURCE DEST-FOLDER BUILD-DIR TARGET...
     rm -rf "$dest"; mkdir -p "$dest"
     for t in "${targets[@]}"; do cp "$tb/bin/$t" "$dest/"; done
     find "$tb/bin" "$tb/src" "$tb/ggml/src" "$tb/common" -maxdepth 3 -name '*.so*' -exec cp -P {} "$dest/" \; 2>/dev/null
-    "$dest/llama-bench" --help >/dev/null 2>&1 || die "the freshly built $dest/llama-bench does not run"
+    "$dest/${targets[0]}" --help >/dev/null 2>&1 || die "the freshly built $dest/${targets[0]} does not run"
 }
 build_tools() {
+    if [ $tools = min ]; then
+        build_tools_from "$pristine" "$prefix/tools-stock" "$cache/tools-stock-$key" llama-batched-bench llama-quantize
+        say "tools installed into $prefix/tools-stock (stock llama.cpp $LLAMA_COMMIT)"
+        return
+    fi
     build_tools_from "$src" "$prefix/tools" "$cache/tools-$key" llama-bench llama-batched-bench
     build_tools_from "$pristine" "$prefix/tools-stock" "$cache/tools-stock-$key" llama-server llama-bench llama-batched-bench llama-quantize
     say "tools installed into $prefix/tools (patched) and $prefix/tools-stock (stock llama.cpp $LLAMA_COMMIT)"
@@ -305,5 +347,5 @@ cat >"$manifest" <<JSON
 }
 JSON
 say "installed into $prefix ($target CPU build; needs: ${cpu_features:-nothing beyond the base ISA})"
-[ $tools = 1 ] && build_tools
+[ $tools != 0 ] && build_tools
 echo "$prefix/lib/libllama.so"

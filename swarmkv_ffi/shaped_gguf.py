@@ -32,7 +32,9 @@ class Shape:
     n_ctx: int = 8192
 
 
-SHAPES = {"llama-3.2-1b": Shape(n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192, n_layer=16, n_vocab=128256)}
+SHAPES = {"llama-3.2-1b": Shape(n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192, n_layer=16, n_vocab=128256),
+          # the same head layout at a size that writes in a second: for dry runs of the scripts
+          "tiny": Shape(n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_layer=2, n_vocab=1024, n_ctx=2048)}
 
 
 def write_f16(path: Path, shape: Shape, seed: int = 0) -> Path:
@@ -100,9 +102,14 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path, help="where to write the quantised model")
     ap.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
-    ap.add_argument("--type", default="Q4_K_M", help="llama-quantize type (default Q4_K_M)")
+    ap.add_argument("--type", default="Q4_K_M",
+                    help="llama-quantize type (default Q4_K_M); F16 keeps the written file (no llama-quantize needed)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
+    if args.type.upper() == "F16":
+        write_f16(args.out, SHAPES[args.shape])
+        print(args.out)
+        return 0
     with tempfile.TemporaryDirectory(dir=args.out.parent) as tmp:
         f16 = write_f16(Path(tmp) / "f16.gguf", SHAPES[args.shape])
         print(f"wrote {f16.stat().st_size / 2**30:.2f} GiB F16; quantising to {args.type}", file=sys.stderr)

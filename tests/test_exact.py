@@ -21,6 +21,8 @@ from swarmkv_ffi.fanout import BranchSpec, FanoutConfig, plan_fanout, run_fanout
 from swarmkv_ffi.sampler import Sampler
 from swarmkv_ffi.snapshot import Snapshot
 
+pytestmark = pytest.mark.fidelity
+
 N_BATCH = 512
 SIZES = (1, 2, 3, 8, 16)
 

@@ -83,6 +83,7 @@ def test_shared_mode_fast_default_agrees_on_first_tokens(any_model, baselines, r
     assert out.prefill_ms > 0
 
 
+@pytest.mark.fidelity
 def test_shared_mode_exact_equals_plain_runs_in_every_logit(any_model):
     base = run_baseline(any_model, DOC, specs(QUESTIONS), keep_logits=True, exact=True, **RUN)
     out = run_fanout(any_model, DOC, specs(QUESTIONS), mode="shared", keep_logits=True, exact=True, **FANOUT)
@@ -104,6 +105,7 @@ def unchunked_greedy(model, tokens, n: int, exact_mode: bool) -> tuple[list[int]
                                     lambda c, row: int(np.argmax(c.logits(row))))
 
 
+@pytest.mark.fidelity
 def test_exact_shared_mode_equals_an_unchunked_greedy_loop(any_model):
     """Exact mode's result does not depend on chunking either: the fan-out's n_batch=64
     prefill and batched branches give the logits of the prompt decoded all at once."""

@@ -13,6 +13,8 @@ import pytest
 
 from swarmkv_ffi import fattn
 
+pytestmark = pytest.mark.fidelity
+
 
 NEG = -np.inf
 

@@ -7,6 +7,8 @@ query over >= 512 cells, split across threads); 4 threads make the split real on
 machine. A batch of 2 or 4 queries takes the per-row path instead."""
 from __future__ import annotations
 
+import pytest
+
 from swarmkv_ffi import fattn, probe
 
 
@@ -21,6 +23,7 @@ def test_fast_kernels_differ_first_in_flash_attention(smol):
         assert d.nodes_compared > 0
 
 
+@pytest.mark.fidelity
 def test_exact_kernels_equal_in_every_node(any_model):
     found = probe.probe(any_model, 600, [2, 5, 16], exact=True, kv_type="f16", n_threads=4)
     for d in found:
