@@ -155,7 +155,7 @@ step model "$py" -m swarmkv_ffi.shaped_gguf "$out/model.gguf" --shape llama-3.2-
 step fanout "$py" bench/gpu_fanout.py "$out/model.gguf" "$out/fanout.json" --ns "$ns" \
     --doc-tokens "$doc_tokens" --max-tokens "$max_tokens"
 step fanout_exact env CUDA_VISIBLE_DEVICES= "$py" bench/gpu_fanout.py "$out/model.gguf" "$out/fanout_exact.json" \
-    --ns 4 --doc-tokens 512 --max-tokens 16 --exact
+    --ns "$ns" --doc-tokens 512 --max-tokens 16 --exact
 step batched_bench batched_bench
 rm -f "$out/model.gguf"            # 0.8 GB of random weights: not a result
 echo "gpu_check: all steps passed; wrote $out" >&2
