@@ -128,3 +128,102 @@ def test_gpu_check_dry_run_runs_every_step_that_needs_no_gpu(tmp_path):
     assert fanout["build"]["llama_cpp_commit"] and fanout["settings"]["doc_tokens"] == 128
     exact = json.loads((tmp_path / "fanout_exact.json").read_text())
     assert exact["exact_shared_equals_copy"] is True and exact["settings"]["exact"] is True
+
+
+def test_without_gpu_or_simulator_says_what_to_do():
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc = demo("--n-layers", "1", env=env)
+    if proc.returncode == 0:
+        pytest.skip("a CUDA device is present")
+    assert proc.returncode == 2 and "NUMBA_ENABLE_CUDASIM=1" in proc.stderr
+
+
+# ---- the schedule: every ordering the streamer relies on, proven from its own log ----------
+SCHEDULE_PROBE = """
+import json
+import numpy as np
+from swarmkv_ffi.kernels.streamer import LayerStreamer
+from swarmkv_ffi.kernels.schedule import violations
+from swarmkv_ffi.kernels.demo import trials
+s = LayerStreamer(n_layers=5, bytes_per_layer=1024, compute_iters=2)
+over, serial = s.run_overlapped(), s.run_serial()
+out = {"overlapped": violations(over.schedule_log), "serial": violations(serial.schedule_log),
+       "ops": [str(op) for op in over.schedule_log.ops],
+       "without_wait": {}, "without_transfer_sync": {},
+       "check_clean": s.check(over) + s.check(serial)}
+for i, op in enumerate(over.schedule_log.ops):
+    if op.kind == "wait":
+        out["without_wait"][i] = violations(over.schedule_log.without(i))
+for i, op in enumerate(serial.schedule_log.ops):
+    if op.kind == "sync" and op.stream == "transfer":
+        out["without_transfer_sync"][i] = violations(serial.schedule_log.without(i))
+s.expected_samples()
+s.host[2] *= 2          # a layer corrupted on its way to the device
+out["check_corrupted"] = s.check(s.run_overlapped())
+best, failures, checked = trials(s, {"warmup": 0, "trials": 2})
+out["trial_failures"] = [f for kind in failures.values() for f in kind]
+out["trials_checked"] = checked
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def schedule_probe():
+    proc = subprocess.run([sys.executable, "-c", SCHEDULE_PROBE], capture_output=True, text=True,
+                          env=SIM, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_issued_schedules_are_race_free(schedule_probe):
+    assert schedule_probe["overlapped"] == [] and schedule_probe["serial"] == []
+    kinds = {op.split()[0] for op in schedule_probe["ops"]}
+    assert {"copy", "kernel", "record", "wait", "sync"} <= kinds
+
+
+def test_deleting_any_wait_is_caught(schedule_probe):
+    waits = schedule_probe["without_wait"]
+    assert len(waits) == 5 + 3  # one per compute, one per copy into a reused slot
+    for index, problems in waits.items():
+        assert problems, f"deleting op {index} ({schedule_probe['ops'][int(index)]}) went unnoticed"
+
+
+def test_deleting_a_host_sync_in_the_serial_schedule_is_caught(schedule_probe):
+    syncs = schedule_probe["without_transfer_sync"]
+    assert len(syncs) == 5
+    assert all(syncs.values())
+
+
+def test_every_run_is_checked_and_a_corrupted_layer_fails(schedule_probe):
+    assert schedule_probe["check_clean"] == []
+    assert schedule_probe["check_corrupted"] == [2, 3, 4]   # the layer and all that follow
+    assert schedule_probe["trials_checked"] == 4
+    assert len(schedule_probe["trial_failures"]) == 4       # 2 trials x serial and overlapped
+    assert all("differ from NumPy" in f for f in schedule_probe["trial_failures"])
+
+
+def test_checker_on_hand_written_schedules():
+    """Plain Python, no Numba: the rules themselves."""
+    from swarmkv_ffi.kernels.schedule import Schedule, violations
+    good = Schedule()
+    good.add("copy", "transfer", layer=0, slot=0)
+    good.add("record", "transfer", event=0)
+    good.add("wait", "compute", event=0)
+    good.add("kernel", "compute", layer=0, slot=0)
+    assert violations(good) == []
+    assert any("may start before the copy" in v for v in violations(good.without(2)))
+    racy = Schedule()
+    racy.ops = list(good.ops)
+    racy.add("copy", "transfer", layer=2, slot=0)    # overwrites slot 0 with no wait on the kernel
+    racy.add("record", "transfer", event=1)
+    racy.add("wait", "compute", event=1)
+    racy.add("kernel", "compute", layer=2, slot=0)
+    assert any("may overwrite layer 0" in v for v in violations(racy))
+
+
+def test_balance_mode_reports_both_headlines():
+    proc = demo(*SMALL, "--balance")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^HEADLINE: serial=", proc.stdout, re.M)
+    assert re.search(r"^HEADLINE \(balanced, compute_iters=\d+\): serial=", proc.stdout, re.M)
+    assert "ideal speedup" in proc.stdout
