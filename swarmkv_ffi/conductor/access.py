@@ -17,7 +17,7 @@ import stat
 from pathlib import Path
 
 from .. import catalog
-from .agents import MAX_PREFIX_BYTES, ConductorError
+from .agents import MAX_PREFIX_BYTES, ConductorError, named_source
 from .modelfile import ModelSource, on_pseudo_fs
 
 FD_TOKEN = "@fd"     # REGISTER's <model> or prefix= value: "the descriptor sent with this line"
@@ -35,19 +35,11 @@ class Access:
         the descriptor sent with the line, or (the operator only) any path."""
         if name == FD_TOKEN:
             return ModelSource(FD_TOKEN, fd=take_fd(fds, "the model"))
-        if name in catalog.CATALOG:
-            try:
-                return ModelSource(name, Path(os.path.realpath(catalog.resolve(name))), trusted=True)
-            except catalog.ModelNotFoundError as exc:
-                raise ConductorError("UNKNOWN_MODEL", str(exc)) from None
+        if name in catalog.CATALOG or (uid == self.admin and ("/" in name or name.endswith(".gguf"))):
+            return named_source(name)
         found = self._in_models_dir(name)
         if found is not None:
             return ModelSource(name, found)
-        if uid == self.admin and ("/" in name or name.endswith(".gguf")):
-            real = Path(os.path.realpath(Path(name).expanduser()))
-            if not real.exists():
-                raise ConductorError("UNKNOWN_MODEL", f"model {name!r}: no such file")
-            return ModelSource(name, real)
         where = f" or a file name in {', '.join(map(str, self.models_dirs))}" if self.models_dirs else ""
         raise ConductorError("UNKNOWN_MODEL", f"model {name[:80]!r} is not a packaged short name "
                              f"({', '.join(catalog.CATALOG)}){where}; to use your own file, send its "

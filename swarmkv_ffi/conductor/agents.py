@@ -125,6 +125,16 @@ class DecodeResult:
     slices: int = 0
 
 
+def named_source(model: str) -> ModelSource:
+    """A model named by a packaged short name (trusted: it skips the sandbox) or by a path
+    the daemon may open itself (the operator's own, or one access.py vouched for)."""
+    try:
+        path = catalog.resolve(model)
+    except ModelNotFoundError as exc:
+        raise ConductorError("UNKNOWN_MODEL", str(exc)) from None
+    return ModelSource(model, Path(os.path.realpath(path)), trusted=model in catalog.CATALOG)
+
+
 class Conductor:
     def __init__(self, ledger: Ledger, table: dict[str, int] | None = None, n_threads: int | None = None,
                  swap: Ledger | None = None, agent_ttl: float = 0, quotas: Quotas = UNLIMITED,
@@ -183,10 +193,10 @@ class Conductor:
                 self._pending.discard(ident)
 
     def _register(self, agent_id: str, model: str | ModelSource, n_ctx: int, owner: int) -> Agent:
-        source = model if isinstance(model, ModelSource) else self._trusted_source(model)
+        source = model if isinstance(model, ModelSource) else named_source(model)
         try:
             with source.open() as (mf, sent), LoadableCopy(mf, sent) as fd:
-                facts = None if source.trusted else sandbox.check(mf, fd, owner, self._gid(owner))
+                facts = None if source.trusted else sandbox.check(mf, fd, owner)
                 est = self._estimate(source.name, mf, fd, n_ctx, facts)
                 with self.registry.gate(mf.key):
                     loaded, measured = self._admit(f"{owner}:{agent_id}", owner, mf, fd, est, n_ctx, sent)
@@ -197,23 +207,6 @@ class Conductor:
         with self._lock:
             self.agents[(owner, agent_id)] = agent
         return agent
-
-    @staticmethod
-    def _trusted_source(model: str) -> ModelSource:
-        """A name the daemon's own user gave: a catalog model, or a path it may open."""
-        try:
-            path = catalog.resolve(model)
-        except ModelNotFoundError as exc:
-            raise ConductorError("UNKNOWN_MODEL", str(exc)) from None
-        return ModelSource(model, Path(os.path.realpath(path)), trusted=model in catalog.CATALOG)
-
-    @staticmethod
-    def _gid(uid: int) -> int:
-        import pwd
-        try:
-            return pwd.getpwuid(uid).pw_gid
-        except KeyError:
-            return uid
 
     def _attach_prefix(self, agent: Agent, text: str) -> None:
         tokens = [int(t) for t in agent.loaded.model.tokenize(text)]

@@ -40,15 +40,14 @@ _verdicts: dict[tuple, dict] = {}
 _lock = threading.Lock()
 
 
-def check(mf: ModelFile, fd: int, uid: int, gid: int) -> dict:
+def check(mf: ModelFile, fd: int, uid: int) -> dict:
     """The header facts of the model behind `fd`, once a child has loaded it; raises
     ModelLoadError (with the signal or the child's last words) otherwise."""
     with _lock:
         cached = _verdicts.get(mf.identity)
     if cached is not None:
         return cached
-    argv = [sys.executable, "-B", "-m", "swarmkv_ffi.conductor.sandbox", str(fd), str(uid), str(gid),
-            str(mf.identity[2])]
+    argv = [sys.executable, "-B", "-m", "swarmkv_ffi.conductor.sandbox", str(fd), str(uid), str(mf.identity[2])]
     try:
         done = subprocess.run(argv, pass_fds=(fd,), env=child_env(), capture_output=True, timeout=WALL_SECONDS,
                               start_new_session=True, stdin=subprocess.DEVNULL, cwd="/")
@@ -91,13 +90,15 @@ def last_words(stderr: bytes) -> str:
 
 
 # ---- the child ---------------------------------------------------------------------------------
-def _drop_privileges(uid: int, gid: int) -> None:
-    """Become the client (uid, gid and its groups) when started as root, non-dumpable."""
+def _drop_privileges(uid: int) -> None:
+    """Become the client (its uid, primary group and groups; a uid without a passwd entry
+    gets the group of the same number) when started as root; then non-dumpable."""
     if os.getuid() == 0 and uid != 0:
         try:
-            groups = os.getgrouplist(pwd.getpwuid(uid).pw_name, gid)
+            entry = pwd.getpwuid(uid)
+            gid, groups = entry.pw_gid, os.getgrouplist(entry.pw_name, entry.pw_gid)
         except KeyError:
-            groups = [gid]
+            gid, groups = uid, [uid]
         os.setgroups(groups)
         os.setgid(gid)
         os.setuid(uid)
@@ -129,11 +130,11 @@ def facts_of(model) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    fd, uid, gid, file_bytes = (int(x) for x in argv)
+    fd, uid, file_bytes = (int(x) for x in argv)
     from .. import library
     from ..model import Model
     library.backend()                  # libllama and its backends load before the drop
-    _drop_privileges(uid, gid)
+    _drop_privileges(uid)
     _limit(file_bytes)
     os.nice(10)                        # below the daemon's own decoding
     model = Model(f"/proc/self/fd/{fd}", n_gpu_layers=0, use_mmap=True)
