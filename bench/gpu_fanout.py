@@ -12,7 +12,6 @@ settings, the build, the backend's devices and each run's timings.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -40,25 +39,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--exact", action="store_true", help="exact shared vs exact copy, tokens compared")
     args = ap.parse_args(argv)
-    from swarmkv_ffi import library
-    from swarmkv_ffi.bench.measure import build_info, document_of
+    from swarmkv_ffi.bench.measure import document_of, settings_of, write_result
     from swarmkv_ffi.model import Model
     t0 = time.perf_counter()
     model = Model(args.model)
     doc = document_of(model, args.doc_tokens)
     ns = [int(x) for x in args.ns.split(",")]
     runs = [run(model, doc, n, mode, args.max_tokens, args.exact) for n in ns for mode in ("shared", "copy")]
-    report = {"step": "fanout_exact" if args.exact else "fanout", "model": str(args.model),
-              "settings": {"ns": ns, "doc_tokens": args.doc_tokens, "max_tokens": args.max_tokens,
-                           "exact": args.exact},
-              "build": build_info(), "system_info": library.system_info(), "runs": runs,
+    report = {"step": "fanout_exact" if args.exact else "fanout", "model": str(args.model), "runs": runs,
               "seconds": time.perf_counter() - t0}
     if args.exact:
         pairs = [(r, c) for r in runs for c in runs if r["mode"] == "shared" and c["mode"] == "copy"
                  and r["n"] == c["n"]]
         report["exact_shared_equals_copy"] = all(r["token_ids"] == c["token_ids"] for r, c in pairs)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out, report, settings_of(args))
     for r in runs:
         print(f"{r['mode']:>6} N={r['n']:>2} prefill {r['prefill_ms']:8.1f} ms  total {r['total_ms']:8.1f} ms")
     if args.exact and not report["exact_shared_equals_copy"]:

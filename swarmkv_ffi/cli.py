@@ -128,13 +128,22 @@ def cmd_fanout(args) -> int:
                         seed=None if args.seed is None else args.seed + i)
              for i, q in enumerate(args.ask)]
     if args.ray is not None:
-        return _fanout_ray(args, document, specs)
-    snapshot_in = Snapshot.load(args.snapshot_in) if args.snapshot_in else None
-    with Model(catalog.resolve(args.model)) as model:
-        return _fanout_local(args, model, document, specs, snapshot_in, doc_path)
+        result = _fanout_ray(args, document, specs)
+    else:
+        snapshot_in = Snapshot.load(args.snapshot_in) if args.snapshot_in else None
+        with Model(catalog.resolve(args.model)) as model:
+            result = _fanout_local(args, model, document, specs, snapshot_in)
+    if args.json:
+        print(json.dumps({**result.to_dict(), "document": str(doc_path), "snapshot_out": args.snapshot_out,
+                          "settings": {"mode": args.mode if args.ray is None else "ray",
+                                       **_fanout_config(args).as_dict()},
+                          "build": library.build_info()}, indent=2))
+    else:
+        _print_fanout(result, args)
+    return 0
 
 
-def _fanout_local(args, model, document, specs, snapshot_in, doc_path) -> int:
+def _fanout_local(args, model, document, specs, snapshot_in):
     from .fanout import run_fanout
     saved = []
     bar = _progress_bar(args)
@@ -148,22 +157,14 @@ def _fanout_local(args, model, document, specs, snapshot_in, doc_path) -> int:
             bar.close()
     if args.snapshot_out:
         saved[0].save(args.snapshot_out)
-    if args.json:
-        doc = result.to_dict()
-        for b, out in zip(result.branches, doc["branches"]):
-            out["prompt_text"] = model.detokenize(b.prompt_token_ids, unparse_special=True)
-        doc["document"] = str(doc_path)
-        doc["snapshot_out"] = args.snapshot_out
-        print(json.dumps(doc, indent=2))
-    else:
-        _print_fanout(result, args)
-    return 0
+    return result
 
 
 def _fanout_config(args):
     from .fanout import FanoutConfig
     return FanoutConfig(n_ctx=args.n_ctx, n_batch=args.n_batch, chat=not args.no_chat,
-                        kv_type=args.kv_type, exact=args.exact)
+                        kv_type=args.kv_type, flash_attn=args.flash_attn, exact=args.exact,
+                        n_threads=args.threads)
 
 
 def _prefix_cache(args):
@@ -174,25 +175,14 @@ def _prefix_cache(args):
     return PrefixCache(args.cache_dir, args.cache_max_bytes)
 
 
-def _fanout_ray(args, document, specs) -> int:
+def _fanout_ray(args, document, specs):
     """`fanout --ray [ADDRESS]`: prefill on one Ray worker, branches on Ray actors."""
     from .distributed import run_fanout_ray
     if args.snapshot_in or args.snapshot_out or args.mode != "shared":
         raise errors.SwarmKVError("--ray cannot be combined with --snapshot-in/--snapshot-out/--mode")
-    out = run_fanout_ray(str(catalog.resolve(args.model)), document, specs,
-                         address=None if args.ray == "local" else args.ray, n_actors=args.ray_actors,
-                         **_fanout_config(args).as_dict())
-    if args.json:
-        print(json.dumps(out, indent=2))
-        return 0
-    print(f"document: {args.doc}: prefilled once on a Ray worker in {out['prefill_ms']:.0f} ms; "
-          f"{out['n_actors']} actors, {out['retries']} retries")
-    for b in out["branches"]:
-        print(f"\n[{b['index']}] Q: {b['question']}\n    A: {b['text'].strip()}")
-        print(f"    snapshot fetch {b['snapshot_fetch_ms']:.1f} ms, first token {b['activation_ms']:.0f} ms, "
-              f"{len(b['token_ids'])} tokens")
-    print(f"\nend-to-end {out['total_ms']:.0f} ms")
-    return 0
+    return run_fanout_ray(str(catalog.resolve(args.model)), document, specs,
+                          address=None if args.ray == "local" else args.ray, n_actors=args.ray_actors,
+                          **_fanout_config(args).as_dict())
 
 
 def _progress_bar(args):
@@ -219,7 +209,11 @@ def _progress_bar(args):
 
 
 def _print_fanout(result, args) -> None:
-    if result.prefill_skipped:
+    if result.mode == "ray":
+        x = result.extras
+        how = (f"prefilled once on a Ray worker in {result.prefill_ms:.0f} ms; {x['n_actors']} actors, "
+               f"{x['retries']} retries")
+    elif result.prefill_skipped:
         how = f"prefill skipped: all {result.n_prefix} tokens restored from a snapshot"
     elif result.cached_tokens:
         how = (f"{result.cached_tokens} tokens restored from the prefix cache, the other "
@@ -233,7 +227,9 @@ def _print_fanout(result, args) -> None:
         print(f"    A: {b.text.strip()}")
         print(f"    fork {b.fork_ms:.2f} ms, first token {b.activation_ms:.0f} ms, decode "
               f"{b.decode_ms:.0f} ms, {len(b.token_ids)} tokens, {b.tokens_per_s:.1f} tokens/s"
-              + (", stopped at end-of-generation" if b.stopped_on_eog else ""))
+              + (", stopped at end-of-generation" if b.stopped_on_eog else "")
+              + (f", snapshot fetch {result.extras['snapshot_fetch_ms'][b.index]:.1f} ms"
+                 if result.mode == "ray" else ""))
     print(f"\nend-to-end {result.total_ms:.0f} ms for {len(result.branches)} branches"
           + (f" (+{result.cache_store_ms:.0f} ms writing the prefix cache)" if result.cache_store_ms >= 1 else ""))
 
@@ -276,11 +272,27 @@ def cmd_probe(args) -> int:
     return probe.main(args.rest)
 
 
+# Every benchmark, by the name `swarmkv bench NAME` runs: module in swarmkv_ffi/bench/, and
+# what it measures (bench/README.md lists the same).
+BENCHMARKS = {
+    "fanout": ("fanout", "baseline vs shared vs copy: end-to-end, activation, fork, sweeps, plots"),
+    "peer": ("peer", "ours vs llama.cpp's llama-server, requests one after another and at once"),
+    "tools": ("tools", "prefill vs llama-bench, batched decode vs llama-batched-bench"),
+    "kernels": ("kernels", "llama-batched-bench, our patched build vs stock llama.cpp"),
+    "exact": ("exact", "exact vs fast mode: fidelity and cost"),
+    "defaults": ("defaults", "KV type x flash attention, measured for the fan-out's job"),
+    "prefix-cache": ("prefix_cache", "cold vs warm vs extended document"),
+    "builds": ("builds", "prefill and decode speed of two libllama builds (native vs --portable)"),
+    "ray": ("ray", "local copy mode vs Ray (one node, two actors)"),
+    "conductor": ("conductor", "lmxd: KV swap vs re-prefill, STATUS latency under load"),
+    "multiuser": ("multiuser", "lmxd: one user's latency while another floods it (needs root)"),
+}
+
+
 def cmd_bench(args) -> int:
-    from .bench import conductor, defaults, exact, fanout, kernels, multiuser, peer, tools
-    mains = {"fanout": fanout.main, "conductor": conductor.main, "peer": peer.main, "exact": exact.main,
-             "defaults": defaults.main, "tools": tools.main, "kernels": kernels.main, "multiuser": multiuser.main}
-    return mains[args.which](args.rest)
+    import importlib
+    module = importlib.import_module(f".bench.{BENCHMARKS[args.which][0]}", __package__)
+    return module.main(args.rest)
 
 
 def _add_model_args(p, *, max_tokens=64):
@@ -336,6 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch-invariant kernels: every branch's tokens and logits equal a plain "
                         "run's (one context, one token per decode) bit for bit, whatever the "
                         "number of branches; CPU backend only, slower (see README, 'Exact mode')")
+    p.add_argument("--flash-attn", default=FanoutConfig.flash_attn, choices=["on", "off", "auto"],
+                   help="flash attention (default: on; --exact needs it)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for decoding (default: all of this machine's)")
     p.add_argument("--no-chat", action="store_true",
                    help="plain 'document / Question: / Answer:' prompts instead of the chat template")
     p.add_argument("--snapshot-out", metavar="FILE", help="save the document's KV snapshot")
@@ -367,11 +383,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("probe", help="find the first graph node whose result depends on the batch "
                                  "(`swarmkv probe --help`)", add_help=False).set_defaults(func=cmd_probe)
 
-    p = sub.add_parser("bench", help="benchmarks: `swarmkv bench "
-                                     "fanout|conductor|peer|exact|defaults|tools|kernels|multiuser --help`")
-    p.add_argument("which", choices=["fanout", "conductor", "peer", "exact", "defaults", "tools", "kernels",
-                                     "multiuser"],
-                   help="which benchmark")
+    p = sub.add_parser("bench", help="benchmarks (`swarmkv bench NAME --help`)",
+                       description="Each benchmark prints its figures and writes JSON that records "
+                                   "its settings, the libllama build and the machine.",
+                       epilog="\n".join(f"  {k:<13} {v[1]}" for k, v in BENCHMARKS.items()),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("which", choices=list(BENCHMARKS), metavar="NAME", help="which benchmark (listed below)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="its own options")
     p.set_defaults(func=cmd_bench)
     return parser

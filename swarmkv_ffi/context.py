@@ -103,7 +103,7 @@ class Context(Owned):
             c_params.cb_eval = self._eval_callback
         handle = lib.llama_init_from_model(model.handle, c_params)
         if handle == ffi.NULL:
-            said = library.said("no message from libllama")
+            said = library.take_error_text("no message from libllama")
             raise errors.ContextError(
                 f"llama_init_from_model({model.path.name}, n_ctx={params.n_ctx}, "
                 f"n_seq_max={params.n_seq_max}, n_batch={params.n_batch}) failed: {said}")
@@ -160,7 +160,7 @@ class Context(Owned):
             return
         cls, meaning = _DECODE_ERRORS.get(
             rc, (errors.DecodeFailedError, "fatal error" if rc < 0 else "warning"))
-        said = library.said()
+        said = library.take_error_text()
         raise cls(f"llama_decode returned {rc}: {meaning}. Batch {batch.describe()}, "
                   f"n_ctx={self.n_ctx}, n_batch={self.n_batch}, n_seq_max={self.n_seq_max}"
                   + (f". libllama: {said}" if said else ""), rc)
@@ -191,7 +191,7 @@ class Context(Owned):
         keep it."""
         ptr = self._lib.llama_get_logits_ith(self.handle, row)
         if ptr == ffi.NULL:
-            said = library.said()
+            said = library.take_error_text()
             raise errors.DecodeError(
                 f"llama_get_logits_ith({row}) returned NULL: that row did not ask for logits "
                 f"in the last decode. {said}", 0)
@@ -243,7 +243,7 @@ class Context(Owned):
         if n != buf.nbytes:
             raise errors.StateError(
                 f"llama_state_set_data read {n} of {buf.nbytes} bytes; the state does not "
-                f"fit this context. {library.said()}")
+                f"fit this context. {library.take_error_text()}")
 
     def seq_state_size(self, seq: int) -> int:
         """Bytes llama_state_seq_get_data needs for `seq`: always ask, never compute."""
@@ -270,7 +270,7 @@ class Context(Owned):
         n = int(self._lib.llama_state_seq_set_data(self.handle, ffi.from_buffer("uint8_t[]", buf),
                                                    buf.nbytes, seq))
         if n != buf.nbytes:
-            said = library.said()
+            said = library.take_error_text()
             raise errors.StateError(
                 f"llama_state_seq_set_data(seq={seq}) consumed {n} of {buf.nbytes} bytes"
                 + (f": {said}" if said else "; the state does not match this context"))

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 
 from .errors import SwarmKVError
 from .fanout.config import FanoutConfig
+from .fanout.types import BranchResult, FanoutResult
 
 try:
     import ray
@@ -58,8 +60,9 @@ class BranchWorker:
         self.model.fingerprint  # hash once, before the first restore
         self.opts = opts
 
-    def answer(self, snapshot_bytes: np.ndarray, document: str, specs: list[dict]) -> list[dict]:
-        """Check the snapshot on arrival, restore it, answer `specs` together."""
+    def answer(self, snapshot_bytes: np.ndarray, document: str, specs: list[dict]) -> dict:
+        """Check the snapshot on arrival, restore it, answer `specs` together; returns the
+        group's FanoutResult as a dict plus the time the snapshot took to arrive."""
         from .fanout import BranchSpec, run_fanout
         from .snapshot import Snapshot
         t = time.perf_counter_ns()
@@ -67,19 +70,15 @@ class BranchWorker:
         fetch_ms = (time.perf_counter_ns() - t) / 1e6
         result = run_fanout(self.model, document, [BranchSpec(**s) for s in specs], mode="shared",
                             snapshot_in=snap, **self.opts)
-        out = []
-        for b in result.branches:
-            d = b.to_dict()
-            d["snapshot_fetch_ms"] = fetch_ms
-            d["actor_total_ms"] = result.total_ms
-            out.append(d)
-        return out
+        return {**result.to_dict(), "snapshot_fetch_ms": fetch_ms}
 
 
 def run_fanout_ray(model_path: str, document: str, specs, *, address: str | None = None,
                    n_actors: int = 2, branches_per_actor: int | None = None, timeout: float = 600.0,
-                   use_gpu: bool | None = None, cpus_per_actor: int = 1, **opts) -> dict:
-    """Fan out over Ray. Returns a dict like FanoutResult.to_dict() plus Ray timings.
+                   use_gpu: bool | None = None, cpus_per_actor: int = 1, **opts) -> FanoutResult:
+    """Fan out over Ray. Returns a FanoutResult (mode "ray") whose `extras` hold what only
+    Ray has: actors used, retries, and per branch the snapshot's fetch time and its
+    actor's own end-to-end time.
 
     Each worker asks Ray for one GPU (CUDA clusters) or `cpus_per_actor` CPUs and runs
     that many compute threads: more threads than granted CPUs make ggml's spinning
@@ -110,7 +109,8 @@ def run_fanout_ray(model_path: str, document: str, specs, *, address: str | None
     actors = [actor_cls.remote(model_path, opts) for _ in range(min(n_actors, len(specs)))]
     per = branches_per_actor or -(-len(specs) // len(actors))
     groups = [list(range(i, min(i + per, len(specs)))) for i in range(0, len(specs), per)]
-    results: dict[int, dict] = {}
+    results: dict[int, BranchResult] = {}
+    groups_out: dict[int, dict] = {}
     pending = {}
     for g, idx in enumerate(groups):
         actor = actors[g % len(actors)]
@@ -126,7 +126,7 @@ def run_fanout_ray(model_path: str, document: str, specs, *, address: str | None
         for ref in ready:
             idx, actor, tries = pending.pop(ref)
             try:
-                answers = r.get(ref, timeout=max(1.0, deadline - time.time()))
+                group = r.get(ref, timeout=max(1.0, deadline - time.time()))
             except r.exceptions.RayActorError:
                 actors = [a for a in actors if a is not actor]
                 if not actors:
@@ -139,12 +139,24 @@ def run_fanout_ray(model_path: str, document: str, specs, *, address: str | None
                 continue
             except r.exceptions.RayTaskError as exc:
                 raise exc.as_instanceof_cause() from None
-            for i, a in zip(idx, answers):
-                a["index"] = i
-                results[i] = a
-    branches = [results[i] for i in range(len(specs))]
-    return {"mode": "ray", "model": model_path, "prefill_ms": prefill_ms, "total_ms": ms(),
-            "n_actors": len(groups), "retries": retries, "branches": branches}
+            for i, b in zip(idx, group["branches"]):
+                results[i] = BranchResult.from_dict({**b, "index": i})
+                groups_out[i] = group
+    return _result(model_path, results, groups_out, prefill_ms, ms(), len(groups), retries)
+
+
+def _result(model_path: str, results: dict, groups: dict, prefill_ms: float, total_ms: float,
+            n_actors: int, retries: int) -> FanoutResult:
+    """One FanoutResult from the actors' groups; prefill_ms is until the snapshot was stored."""
+    first = groups[0]
+    order = range(len(results))
+    return FanoutResult(
+        mode="ray", model=Path(model_path).name, n_prefix=first["n_prefix"], n_ctx=first["n_ctx"],
+        prefill_ms=prefill_ms, prefill_skipped=False, snapshot_bytes=first["snapshot_bytes"],
+        total_ms=total_ms, branches=[results[i] for i in order],
+        extras={"n_actors": n_actors, "retries": retries,
+                "snapshot_fetch_ms": [groups[i]["snapshot_fetch_ms"] for i in order],
+                "actor_total_ms": [groups[i]["total_ms"] for i in order]})
 
 
 def _actor_class(resources: dict):

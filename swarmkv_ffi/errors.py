@@ -1,4 +1,8 @@
-"""Every exception the package raises on purpose, so callers can catch by meaning."""
+"""The binding's exceptions, so callers can catch by meaning. Every exception the package
+raises on purpose derives from SwarmKVError; those of one subsystem live beside it:
+prefix_cache.CacheFolderError, fanout.dag.DagError / DagTimeoutError / DagStopped,
+distributed.RayFanoutError, and in conductor/ LedgerDenied, ConductorError, DaemonError
+and the client's LmxError."""
 
 
 class SwarmKVError(Exception):

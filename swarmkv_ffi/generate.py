@@ -42,13 +42,13 @@ class Answer:
     max_tokens), its text, its logits on request, and its timing.
 
     generate() (and so lmxd and copy mode) and shared mode's branches all sample through
-    take(), so they stop, count and time alike. keep_logits: keep the first row of logits
+    take(), so they stop, count and time alike. trace_logits: keep the first row of logits
     and a digest of every sampled row (exact.digest)."""
 
-    def __init__(self, model, max_tokens: int, *, keep_logits: bool = False,
+    def __init__(self, model, max_tokens: int, *, trace_logits: bool = False,
                  on_text: Callable[[str], None] | None = None):
         self.model, self.max_tokens = model, max_tokens
-        self.keep_logits, self.on_text = keep_logits, on_text
+        self.trace_logits, self.on_text = trace_logits, on_text
         self.tokens: list[int] = []
         self.text = ""
         self.stopped_on_eog = False
@@ -61,7 +61,7 @@ class Answer:
     def take(self, ctx: Context, row: int, sampler: Sampler) -> bool:
         """Sample the next token from `row` of ctx's last decode; True when the answer is
         complete (the token is then not appended if it ends the generation)."""
-        if self.keep_logits:
+        if self.trace_logits:
             logits = ctx.logits(row)
             if self.first_logits is None:
                 self.first_logits = logits.copy()
@@ -109,17 +109,17 @@ class Generation(Answer):
 
 def generate(ctx: Context, prompt_tokens, *, max_tokens: int = 64, sampler: Sampler | None = None,
              seq_id: int = 0, pos0: int = 0, on_text: Callable[[str], None] | None = None,
-             keep_first_logits: bool = False,
+             trace_logits: bool = False,
              should_stop: Callable[[], bool] | None = None) -> Generation:
     """Decode `prompt_tokens` at positions pos0…, then sample up to `max_tokens` tokens,
     stopping at end-of-generation. `on_text` receives text as it is produced; `should_stop`
     is asked before each token and ends the loop early (Generation.cancelled).
-    keep_first_logits: keep the first row of logits, and a digest of every sampled row."""
+    trace_logits: keep the first row of logits, and a digest of every sampled row."""
     prompt = np.asarray(prompt_tokens, dtype=np.int32)
     if len(prompt) == 0:
         raise ValueError("generate needs at least one prompt token")
     out = Generation(ctx.model, [int(t) for t in prompt], max_tokens,
-                     keep_logits=keep_first_logits, on_text=on_text)
+                     trace_logits=trace_logits, on_text=on_text)
     own_sampler = sampler is None
     sampler = sampler or Sampler()
     try:

@@ -202,7 +202,7 @@ def recent_errors(clear: bool = True) -> list[str]:
     return out
 
 
-def said(default: str = "") -> str:
+def take_error_text(default: str = "") -> str:
     """This thread's recent libllama error lines as one string (and forget them): what
     every exception about a failed libllama call appends."""
     return "; ".join(recent_errors()) or default
@@ -234,6 +234,17 @@ def manifest() -> dict:
     files beside a loaded library do not change what was loaded."""
     lib()
     return _manifest
+
+
+def build_info() -> dict:
+    """What a result was measured on, for result files: the loaded library's path, its
+    llama.cpp commit, backend, CPU target and compiled features, patch set and flags (from
+    its manifest), ggml's own report of the features it uses, and the backend's devices."""
+    m = manifest()
+    keys = ("llama_cpp_commit", "backend", "cuda_arch", "cpu_target", "cpu_features", "patch_set", "patches",
+            "build_flags", "built_at")
+    return {"library": str(library_path()), **{k: m.get(k) for k in keys}, "ggml_system_info": system_info().strip(),
+            "devices": [d["name"] for d in devices()]}
 
 
 def library_path() -> Path:

@@ -76,7 +76,7 @@ class Model(Owned):
                 lib.llama_model_free(handle)
             raise raised[0]
         if handle == ffi.NULL:
-            said = library.said("no message from libllama")
+            said = library.take_error_text("no message from libllama")
             raise ModelLoadError(
                 f"llama_model_load_from_file({self.path}) failed: {said}. "
                 "Is the file complete (not truncated) and a model architecture this "

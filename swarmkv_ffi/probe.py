@@ -29,7 +29,7 @@ from .context import Context, ContextParams
 from .library import ffi
 from .model import Model
 
-F32 = 0
+F32 = library.enum("ggml_type")["GGML_TYPE_F32"]   # the only node type read back
 
 
 @dataclass

@@ -10,7 +10,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from swarmkv_ffi.bench import conductor, fanout
+from swarmkv_ffi.cli import BENCHMARKS
 
 
 def test_fanout_bench_smoke(tmp_path):
@@ -27,6 +30,8 @@ def test_fanout_bench_smoke(tmp_path):
     assert comp["best"]["shared_prefill_ms"] > 0
     assert comp["best"]["shared_redundant_prefill_eliminated_ms"] > 0
     assert "n2_gen1_e2e_speedup" in report["targets"]
+    assert_records_its_settings(report)
+    assert report["settings"]["fanout"]["n_ctx"] == 512 and report["settings"]["fanout"]["n_threads"] >= 1
     rows = list(csv.DictReader((tmp_path / "all_trials.csv").open()))
     assert len(rows) == 2 * 3 * 2  # trials x modes x branches
     for name in ("end_to_end_latency", "prefill_cost_breakdown", "trial_consistency",
@@ -42,6 +47,26 @@ def test_conductor_bench_smoke(tmp_path):
     swap = report["swap"][0]
     assert swap["swap_ms"] > 0 and swap["reprefill_ms"] > 0 and swap["snapshot_bytes"] > 0
     assert report["status"]["requests"] > 0 and report["status"]["p99_ms"] >= report["status"]["p50_ms"]
+    assert_records_its_settings(report)
+
+
+def assert_records_its_settings(report: dict) -> None:
+    """Every result file says what produced it: options, build, machine."""
+    assert report["settings"]["options"]
+    assert report["build"]["llama_cpp_commit"] and report["build"]["patch_set"]
+    assert isinstance(report["build"]["cpu_features"], list) and report["build"]["ggml_system_info"]
+    assert report["machine"]["cpu"] and report["machine"]["cores"] >= 1
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_every_benchmark_runs_under_swarmkv_bench(name, capsys):
+    """One way to run each benchmark: `swarmkv bench NAME`, with its own --help."""
+    import importlib
+    module = importlib.import_module(f"swarmkv_ffi.bench.{BENCHMARKS[name][0]}")
+    with pytest.raises(SystemExit) as info:
+        module.main(["--help"])
+    assert info.value.code == 0
+    assert f"swarmkv bench {name}" in capsys.readouterr().out
 
 
 def test_peer_bench_without_llama_server_says_how_to_build_it(tmp_path):

@@ -227,11 +227,11 @@ def test_libllama_error_lines_are_kept_per_thread():
         _on_llama_log(4, ffi.new("char[]", b"llama_thing: failed to do it"), ffi.NULL)
         _on_llama_log(5, ffi.new("char[]", b" (in two pieces)\n"), ffi.NULL)
         logged.set()
-        seen["worker"] = library.said()
+        seen["worker"] = library.take_error_text()
 
     t = threading.Thread(target=failing_call)
     t.start()
     logged.wait(10)
-    seen["main"] = library.said("none here")
+    seen["main"] = library.take_error_text("none here")
     t.join(10)
     assert seen == {"worker": "llama_thing: failed to do it (in two pieces)", "main": "none here"}

@@ -67,9 +67,14 @@ def test_fanout_json_and_snapshot_roundtrip(short_doc, tmp_path):
     # --exact: the second run decodes each branch alone (copy mode), the first both
     # together; only exact mode makes those the same computation on every CPU.
     args = ["fanout", "--doc", str(short_doc), "--ask", "What is this?", "--ask", "Who is the Licensor?",
-            "--max-tokens", "6", "--json", "--exact"]
+            "--max-tokens", "6", "--json", "--exact", "--threads", "1"]
     first = json.loads(swarmkv(*args, "--snapshot-out", str(snap)).stdout)
     assert snap.exists() and first["prefill_ms"] > 0 and not first["prefill_skipped"]
+    # The result says what it ran with, so two result files can be compared.
+    assert first["settings"] | {"mode": "shared", "kv_type": "f16", "flash_attn": "on", "n_batch": 512,
+                                "n_threads": 1, "exact": True} == first["settings"]
+    assert first["build"]["llama_cpp_commit"] and first["build"]["patch_set"]
+    assert isinstance(first["build"]["cpu_features"], list)
     assert len(first["branches"]) == 2
     for b in first["branches"]:
         assert b["prompt_token_ids"] and b["prompt_text"].endswith("assistant\n")

@@ -38,9 +38,11 @@ def test_ray_branches_match_local_copy_mode(cluster, model_path, smol):
     # mode's batch-invariant kernels make that the same computation on every CPU.
     out = run_fanout_ray(model_path, DOC, specs(), n_actors=2, exact=True, **OPTS)
     local = run_fanout(smol, DOC, specs(), mode="copy", exact=True, **OPTS)
-    assert [b["token_ids"] for b in out["branches"]] == [b.token_ids for b in local.branches]
-    assert out["n_actors"] == 2 and out["retries"] == 0
-    assert all(b["snapshot_fetch_ms"] > 0 for b in out["branches"])
+    assert out.mode == "ray" and out.n_prefix == local.n_prefix
+    assert [b.token_ids for b in out.branches] == [b.token_ids for b in local.branches]
+    assert [b.index for b in out.branches] == [0, 1, 2, 3]
+    assert out.extras["n_actors"] == 2 and out.extras["retries"] == 0
+    assert all(ms > 0 for ms in out.extras["snapshot_fetch_ms"])
 
 
 def test_corrupt_snapshot_is_rejected_on_arrival(cluster, model_path):
@@ -56,7 +58,7 @@ def test_corrupt_snapshot_is_rejected_on_arrival(cluster, model_path):
     ray.kill(worker)
 
 
-def test_dead_actor_branches_are_retried(cluster, model_path, monkeypatch):
+def test_dead_actor_branches_are_retried(cluster, model_path, smol, monkeypatch):
     """Kill the first actor as soon as work is submitted to it: its branches must be
     answered by the other one, with the same tokens."""
     import swarmkv_ffi.distributed as dist
@@ -76,10 +78,10 @@ def test_dead_actor_branches_are_retried(cluster, model_path, monkeypatch):
         return actor_cls
 
     monkeypatch.setattr(dist, "_actor_class", lambda resources: kill_first(real_remote(**resources)(BranchWorker)))
-    out = run_fanout_ray(model_path, DOC, specs(2), n_actors=2, **OPTS)
-    assert killed and out["retries"] >= 1
-    reference = run_fanout_ray(model_path, DOC, specs(2), n_actors=1, **OPTS)
-    assert [b["token_ids"] for b in out["branches"]] == [b["token_ids"] for b in reference["branches"]]
+    out = run_fanout_ray(model_path, DOC, specs(2), n_actors=2, exact=True, **OPTS)
+    assert killed and out.extras["retries"] >= 1
+    local = run_fanout(smol, DOC, specs(2), mode="copy", exact=True, **OPTS)  # the reference, without Ray
+    assert [b.token_ids for b in out.branches] == [b.token_ids for b in local.branches]
 
 
 def test_timeout_names_what_it_waited_for(cluster, model_path):

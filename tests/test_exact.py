@@ -98,7 +98,7 @@ def plain(request, smol, gemma):
 def shared(plain: Plain, n: int, sampled: bool):
     """Shared mode over the plain run's document snapshot (the prefill is tested apart)."""
     return run_fanout(plain.plan.model, DOC, [spec(i, sampled) for i in range(n)], mode="shared",
-                      n_batch=N_BATCH, exact=True, keep_logits=True, cache=False,
+                      n_batch=N_BATCH, exact=True, trace_logits=True, cache=False,
                       snapshot_in=plain.document)
 
 

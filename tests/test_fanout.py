@@ -31,7 +31,7 @@ def specs(questions, max_tokens=16, **kw):
 @pytest.fixture(scope="module")
 def baselines(smol, gemma):
     """Plain runs for both models, computed once."""
-    return {m.path.name: run_baseline(m, DOC, specs(QUESTIONS), keep_logits=True, **RUN)
+    return {m.path.name: run_baseline(m, DOC, specs(QUESTIONS), trace_logits=True, **RUN)
             for m in (smol, gemma)}
 
 
@@ -53,7 +53,7 @@ def test_plain_prompt_layout_without_chat(smol):
 
 def test_copy_mode_is_bit_identical_to_a_plain_run(any_model, baselines):
     base = baselines[any_model.path.name]
-    out = run_fanout(any_model, DOC, specs(QUESTIONS[:4]), mode="copy", keep_logits=True, **FANOUT)
+    out = run_fanout(any_model, DOC, specs(QUESTIONS[:4]), mode="copy", trace_logits=True, **FANOUT)
     for got, want in zip(out.branches, base.branches):
         assert np.array_equal(got.first_logits, want.first_logits), f"branch {got.index} logits"
         assert got.token_ids == want.token_ids
@@ -64,7 +64,7 @@ def test_copy_mode_is_bit_identical_to_a_plain_run(any_model, baselines):
 
 def test_shared_mode_fast_default_agrees_on_first_tokens(any_model, baselines, record_property):
     base = baselines[any_model.path.name]
-    out = run_fanout(any_model, DOC, specs(QUESTIONS), mode="shared", keep_logits=True, **FANOUT)
+    out = run_fanout(any_model, DOC, specs(QUESTIONS), mode="shared", trace_logits=True, **FANOUT)
     diffs = [float(np.max(np.abs(g.first_logits - w.first_logits)))
              for g, w in zip(out.branches, base.branches)]
     same = sum(g.token_ids == w.token_ids for g, w in zip(out.branches, base.branches))
@@ -85,8 +85,8 @@ def test_shared_mode_fast_default_agrees_on_first_tokens(any_model, baselines, r
 
 @pytest.mark.fidelity
 def test_shared_mode_exact_equals_plain_runs_in_every_logit(any_model):
-    base = run_baseline(any_model, DOC, specs(QUESTIONS), keep_logits=True, exact=True, **RUN)
-    out = run_fanout(any_model, DOC, specs(QUESTIONS), mode="shared", keep_logits=True, exact=True, **FANOUT)
+    base = run_baseline(any_model, DOC, specs(QUESTIONS), trace_logits=True, exact=True, **RUN)
+    out = run_fanout(any_model, DOC, specs(QUESTIONS), mode="shared", trace_logits=True, exact=True, **FANOUT)
     for g, w in zip(out.branches, base.branches):
         assert g.token_ids == w.token_ids, f"branch {g.index}"
         assert g.logit_digests == w.logit_digests and len(g.logit_digests) >= len(g.token_ids)
@@ -110,7 +110,7 @@ def test_exact_shared_mode_equals_an_unchunked_greedy_loop(any_model):
     """Exact mode's result does not depend on chunking either: the fan-out's n_batch=64
     prefill and batched branches give the logits of the prompt decoded all at once."""
     lay = layout(any_model, DOC, QUESTIONS[:3], chat=True)
-    out = run_fanout(any_model, DOC, specs(QUESTIONS[:3]), mode="shared", keep_logits=True, exact=True, **FANOUT)
+    out = run_fanout(any_model, DOC, specs(QUESTIONS[:3]), mode="shared", trace_logits=True, exact=True, **FANOUT)
     for i, b in enumerate(out.branches):
         tokens, digests = unchunked_greedy(any_model, lay.full(i), 16, exact_mode=True)
         assert b.token_ids == tokens, f"branch {i}"

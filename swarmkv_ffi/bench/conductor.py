@@ -11,7 +11,6 @@ Writes conductor.json into --out and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from ..catalog import DEFAULT_MODEL, resolve
 from ..context import Context
 from ..model import Model
 from ..snapshot import Snapshot
-from .measure import cpu_name, document_of
+from .measure import cpu_name, document_of, settings_of, write_result
 
 
 def ms_since(t0: int) -> float:
@@ -137,9 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         swaps = [swap_vs_prefill(model, int(h), args.repeats) for h in args.histories.split(",")]
     status = status_latency(args.model, args.clients, args.seconds, args.decoders)
     report = {"command": " ".join(["swarmkv bench conductor"] + (sys.argv[1:] if argv is None else argv)),
-              "model": args.model, "cpu": cpu_name(), "swap": swaps, "status": status,
-              "target_swap_speedup_at_2k": 10.0}
-    (out / "conductor.json").write_text(json.dumps(report, indent=2))
+              "model": args.model, "swap": swaps, "status": status, "target_swap_speedup_at_2k": 10.0}
+    write_result(out / "conductor.json", report, settings_of(args))
     print(f"{'history':>8} {'snapshot MiB':>13} {'evict ms':>9} {'restore ms':>11} {'swap ms':>8} "
           f"{'re-prefill ms':>14} {'swap is':>8}")
     for s in swaps:

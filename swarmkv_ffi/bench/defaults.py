@@ -8,7 +8,7 @@ The candidate with the lowest geometric mean of the fan-out end-to-end times is 
 the fan-out's job wants; the report says how much each other candidate loses.
 q8_0 V needs flash attention in libllama, so (q8_0, off) is not a candidate.
 
-    python bench/defaults.py --doc-tokens 1600 --n 1,4,16 --out bench/results/latest/defaults.json
+    swarmkv bench defaults --doc-tokens 1600 --n 1,4,16 --out bench/results/latest/defaults.json
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from ..catalog import DEFAULT_MODEL, resolve
 from ..context import Context, ContextParams
 from ..fanout import BranchSpec, FanoutConfig, run_fanout
 from ..model import Model
-from .measure import QUESTIONS, cpu_name, document_of, report_json
+from .measure import QUESTIONS, add_threads, document_of, report_json, settings_of
 
 CANDIDATES = [("q8_0", "on"), ("f16", "on"), ("f16", "off")]
 
@@ -47,18 +47,21 @@ def single_sequence(model: Model, tokens, kv: str, fa: str, n_threads: int | Non
     return {"pp_tps": pp, "tg_tps": tg}
 
 
-def fanout_e2e(model: Model, document: str, n: int, kv: str, fa: str) -> dict:
+def fanout_e2e(model: Model, document: str, n: int, kv: str, fa: str, n_threads: int | None = None) -> dict:
     specs = [BranchSpec(QUESTIONS[i % len(QUESTIONS)], max_tokens=32) for i in range(n)]
-    res = run_fanout(model, document, specs, FanoutConfig(kv_type=kv, flash_attn=fa), cache=False)
+    res = run_fanout(model, document, specs, FanoutConfig(kv_type=kv, flash_attn=fa, n_threads=n_threads),
+                     cache=False)
     return {"total_ms": res.total_ms, "prefill_ms": res.prefill_ms,
             "answers": [b.text for b in res.branches]}
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="swarmkv bench defaults", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL, help=f"catalog name or GGUF path (default {DEFAULT_MODEL})")
     ap.add_argument("--doc-tokens", type=int, default=1600, help="document length in tokens (default 1600)")
     ap.add_argument("--n", default="1,4,16", help="fan-out sizes (default 1,4,16)")
+    add_threads(ap)
     ap.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     args = ap.parse_args(argv)
     ns = [int(x) for x in args.n.split(",")]
@@ -68,17 +71,17 @@ def main(argv=None) -> int:
         rows = []
         for kv, fa in CANDIDATES:
             print(f"{kv} KV, flash attention {fa}...", file=sys.stderr, flush=True)
-            row = {"kv_type": kv, "flash_attn": fa, **single_sequence(model, tokens, kv, fa)}
-            row["fanout"] = {str(n): fanout_e2e(model, document, n, kv, fa) for n in ns}
+            row = {"kv_type": kv, "flash_attn": fa, **single_sequence(model, tokens, kv, fa, args.threads)}
+            row["fanout"] = {str(n): fanout_e2e(model, document, n, kv, fa, args.threads) for n in ns}
             row["e2e_geomean_ms"] = math.exp(sum(math.log(f["total_ms"]) for f in row["fanout"].values()) / len(ns))
             rows.append(row)
     best = min(rows, key=lambda r: r["e2e_geomean_ms"])
     for r in rows:
         r["vs_best"] = r["e2e_geomean_ms"] / best["e2e_geomean_ms"]
-    report = {"machine": cpu_name(), "model": args.model, "doc_tokens": len(tokens), "n": ns,
+    report = {"model": args.model, "doc_tokens": len(tokens), "n": ns,
               "best": {"kv_type": best["kv_type"], "flash_attn": best["flash_attn"]}, "candidates": rows}
     shown = {"best": report["best"], "candidates": [
         {k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items() if k != "fanout"}
         | {f"e2e_ms_n{n}": round(f["total_ms"]) for n, f in r["fanout"].items()} for r in rows]}
-    report_json(report, args.out, shown)
+    report_json(report, args.out, settings_of(args, FanoutConfig(n_threads=args.threads)), shown)
     return 0

@@ -8,7 +8,7 @@ branches decoded together). Fidelity: for every branch, whether its tokens and t
 of every row of logits equal the plain run's, and the first token where they do not. Cost: end-to-end, prefill and decode tokens/s of
 shared mode in exact vs fast mode (ratios from one run, same machine, same minute).
 
-    python bench/exact.py --doc-tokens 3500 --n 16 --gen 64 --out bench/results/latest/exact.json
+    swarmkv bench exact --doc-tokens 3500 --n 16 --gen 64 --out bench/results/latest/exact.json
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from ..catalog import DEFAULT_MODEL, resolve
 from ..fanout import BranchSpec, FanoutConfig, run_fanout
 from ..model import Model
-from .measure import QUESTIONS, cpu_name, decode_tps, document_of, report_json
+from .measure import QUESTIONS, add_threads, decode_tps, document_of, report_json, settings_of
 
 
 def first_difference(a: list[str], b: list[str]) -> int | None:
@@ -43,8 +43,8 @@ def fidelity(shared, plain) -> dict:
 
 
 def run_mode(model: Model, document: str, specs: list[BranchSpec], config: FanoutConfig) -> dict:
-    plain = run_fanout(model, document, specs, config, mode="copy", keep_logits=True, cache=False)
-    shared = run_fanout(model, document, specs, config, keep_logits=True, cache=False)
+    plain = run_fanout(model, document, specs, config, mode="copy", trace_logits=True, cache=False)
+    shared = run_fanout(model, document, specs, config, trace_logits=True, cache=False)
     return {
         "config": config.as_dict(),
         "n_prefix": shared.n_prefix,
@@ -59,12 +59,14 @@ def run_mode(model: Model, document: str, specs: list[BranchSpec], config: Fanou
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="swarmkv bench exact", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL, help=f"catalog name or GGUF path (default {DEFAULT_MODEL})")
     ap.add_argument("--doc-tokens", type=int, default=3500, help="document length in tokens (default 3500)")
     ap.add_argument("--n", type=int, default=16, help="branches (default 16)")
     ap.add_argument("--gen", type=int, default=64, help="greedy tokens per branch (default 64)")
     ap.add_argument("--kv-type", default=FanoutConfig.kv_type, help="KV cache type for both modes")
+    add_threads(ap)
     ap.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     args = ap.parse_args(argv)
     if args.n < 1 or args.gen < 1 or args.doc_tokens < 16:
@@ -72,10 +74,11 @@ def main(argv=None) -> int:
     with Model(resolve(args.model)) as model:
         document = document_of(model, args.doc_tokens)
         specs = [BranchSpec(QUESTIONS[i % len(QUESTIONS)], max_tokens=args.gen) for i in range(args.n)]
-        report = {"machine": cpu_name(), "model": model.path.name, "n": args.n, "gen": args.gen}
+        report = {"model": model.path.name, "n": args.n, "gen": args.gen}
         for name, exact in (("fast", False), ("exact", True)):
             print(f"{name} mode: copy (the plain runs) and shared...", file=sys.stderr, flush=True)
-            report[name] = run_mode(model, document, specs, FanoutConfig(kv_type=args.kv_type, exact=exact))
+            report[name] = run_mode(model, document, specs, FanoutConfig(kv_type=args.kv_type, exact=exact,
+                                                                                 n_threads=args.threads))
     fast, exact = report["fast"], report["exact"]
     report["exact_vs_fast"] = {
         "end_to_end_slowdown": exact["shared_total_ms"] / fast["shared_total_ms"],
@@ -85,5 +88,6 @@ def main(argv=None) -> int:
     shown = {k: report[k] for k in ("model", "n", "gen", "exact_vs_fast")}
     shown.update({f"{m}_fidelity": {"equal": report[m]["fidelity"]["equal"], "of": args.n,
                                     "differ": report[m]["fidelity"]["differ"]} for m in ("fast", "exact")})
-    report_json(report, args.out, shown)
+    report_json(report, args.out, settings_of(args, FanoutConfig(kv_type=args.kv_type, n_threads=args.threads)),
+                shown)
     return 0

@@ -13,19 +13,18 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..catalog import DEFAULT_MODEL, resolve
 from ..fanout import BranchSpec, FanoutConfig, run_baseline, run_fanout
 from ..fanout.shared import together
 from ..model import Model
-from .measure import QUESTIONS, PeakRSS, cpu_name, decode_loop, document_of
+from .measure import QUESTIONS, PeakRSS, add_threads, cpu_name, decode_loop, document_of, settings_of, write_result
 
-MODES = ("baseline", "shared", "copy")
+COMPARED = ("baseline", "shared", "copy")   # the modes each comparison runs
 TARGETS = {
     "n2_gen1_e2e_speedup": ("N=2, 1 token: end-to-end vs baseline", 1.95),
     "n2_gen1_branch2_activation_speedup": ("N=2, 1 token: branch-2 activation vs baseline", 100.0),
@@ -37,12 +36,12 @@ TARGETS = {
 
 
 @dataclass
-class Config:
+class FanoutBench:
+    """What this benchmark runs: the fan-out settings every mode shares, the document's
+    length, the comparisons (N branches, tokens per branch) and how often each runs."""
     model: str = DEFAULT_MODEL
     doc_tokens: int = 3500
-    n_ctx: int | None = 4096
-    kv_type: str = FanoutConfig.kv_type
-    n_batch: int = 512
+    fanout: FanoutConfig = field(default_factory=lambda: FanoutConfig(n_ctx=4096))
     trials: int = 3
     out: str = "bench/results/latest"
     runs: list[tuple[int, int]] = field(default_factory=lambda: [(2, 1), (8, 32)])
@@ -52,15 +51,14 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_mode(model: Model, document: str, mode: str, n: int, gen: int, cfg: Config, **kw) -> dict:
+def run_mode(model: Model, document: str, mode: str, n: int, gen: int, cfg: FanoutBench, **kw) -> dict:
     """One run of one mode; returns its FanoutResult as a dict plus peak RSS."""
     specs = [BranchSpec(QUESTIONS[i % len(QUESTIONS)], max_tokens=gen) for i in range(n)]
-    common = dict(n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, kv_type=cfg.kv_type)
     with PeakRSS() as mem:
         if mode == "baseline":
-            res = run_baseline(model, document, specs, **common)
+            res = run_baseline(model, document, specs, cfg.fanout)
         else:
-            res = run_fanout(model, document, specs, mode=mode, cache=False, **common, **kw)
+            res = run_fanout(model, document, specs, cfg.fanout, mode=mode, cache=False, **kw)
     out = res.to_dict()
     for b in out["branches"]:
         b["n_tokens"] = len(b.pop("token_ids"))
@@ -95,11 +93,11 @@ def compare(runs: dict[str, dict]) -> dict:
     return out
 
 
-def comparison(model: Model, document: str, n: int, gen: int, cfg: Config) -> dict:
+def comparison(model: Model, document: str, n: int, gen: int, cfg: FanoutBench) -> dict:
     """`cfg.trials` trials of every mode; mode order rotates per trial to spread drift."""
     trials = []
     for t in range(cfg.trials):
-        order = MODES[t % 3:] + MODES[:t % 3]
+        order = COMPARED[t % 3:] + COMPARED[:t % 3]
         runs = {}
         for mode in order:
             log(f"  N={n} gen={gen} trial {t + 1}/{cfg.trials}: {mode}")
@@ -116,7 +114,7 @@ def sweep_branches(model, document, cfg, ns=(1, 2, 4, 8, 16), gen=32, baseline_m
     its memory does not grow with N; it is measured up to baseline_max_n to save time."""
     rows = []
     for n in ns:
-        for mode in MODES:
+        for mode in COMPARED:
             if mode == "baseline" and n > baseline_max_n:
                 continue
             log(f"  sweep branches: N={n} {mode}")
@@ -135,7 +133,7 @@ def sweep_doc_length(model, cfg, lengths=(512, 1024, 2048, 3500, 8192)) -> list[
         document = document_of(model, length)
         for mode in ("shared", "copy"):
             log(f"  sweep doc length: {length} tokens, {mode}")
-            sub = Config(**{**asdict(cfg), "n_ctx": None})  # sized to fit each length
+            sub = replace(cfg, fanout=replace(cfg.fanout, n_ctx=None))  # sized to fit each length
             r = run_mode(model, document, mode, 2, 1, sub)
             rows.append({"doc_tokens": r["n_prefix"], "mode": mode, "prefill_ms": r["prefill_ms"],
                          "fork_ms": [b["fork_ms"] for b in r["branches"]],
@@ -260,28 +258,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--doc-lengths", default="512,1024,2048,3500,8192", help="lengths for the doc-length sweep")
     p.add_argument("--decode-n", type=int, default=16, help="N for the batched-vs-serialised sweep (default: 16)")
     p.add_argument("--baseline-max-n", type=int, default=2, help="largest N the branches sweep runs the baseline for")
+    add_threads(p)
     p.add_argument("--out", default=None, help="output folder (default: bench/results/<cpu>-<date>)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     args = p.parse_args(argv)
 
     out = Path(args.out or f"bench/results/{cpu_name()}-{time.strftime('%Y-%m-%d')}")
     out.mkdir(parents=True, exist_ok=True)
-    cfg = Config(model=args.model, doc_tokens=args.doc_tokens, n_ctx=args.n_ctx, kv_type=args.kv_type,
-                 trials=args.trials, out=str(out),
+    cfg = FanoutBench(model=args.model, doc_tokens=args.doc_tokens, trials=args.trials, out=str(out),
+                      fanout=FanoutConfig(n_ctx=args.n_ctx, kv_type=args.kv_type, n_threads=args.threads),
                  runs=[tuple(int(x) for x in r.split(":")) for r in args.runs.split(",") if r])
     sweeps = set() if args.sweeps == "none" else set(args.sweeps.split(","))
     model = Model(resolve(cfg.model))
     document = document_of(model, cfg.doc_tokens)
     t0 = time.time()
-    report = {"config": asdict(cfg), "command": " ".join(["swarmkv bench fanout"] + (sys.argv[1:] if argv is None else argv)),
-              "model": model.path.name, "doc_tokens": len(model.tokenize(document)),
-              "cpu": cpu_name(), "comparisons": []}
+    settings = settings_of(args, cfg.fanout)
+    report = {"command": " ".join(["swarmkv bench fanout"] + (sys.argv[1:] if argv is None else argv)),
+              "model": model.path.name, "doc_tokens": len(model.tokenize(document)), "comparisons": []}
 
     def checkpoint():
         """Write what is measured so far: a long run that is stopped loses nothing."""
         report["targets"] = evaluate_targets(report)
         report["wall_s"] = time.time() - t0
-        (out / "best_run.json").write_text(json.dumps(report, indent=2))
+        write_result(out / "best_run.json", report, settings)
 
     for n, gen in cfg.runs:
         log(f"comparison N={n} gen={gen}")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from .. import library
 from ..catalog import DEFAULT_MODEL, resolve
-from .measure import build_info, cpu_name, report_json
+from .measure import report_json, settings_of
 from .tools import run_json_lines
 
 BUILDS = ("stock", "patched")
@@ -131,17 +131,16 @@ def main(argv=None) -> int:
             runs[build].append(batched_bench(build, model, args))
     rows = table(runs, args)
     print_table(rows)
+    settings = {**settings_of(args), "llama_batched_bench": {
+        "kv_type": args.kv_type, "flash_attn": "on", "n_batch": 2048, "n_ubatch": 512, "threads": args.threads,
+        "pps": True, "kv_unified": True}}
     report = {
-        "benchmark": "kernels", "machine": cpu_name(), "model": model.name,
-        "settings": {"npp": args.npp, "npl": args.npl, "ntg": args.ntg, "kv_type": args.kv_type,
-                     "flash_attn": "on", "n_batch": 2048, "n_ubatch": 512, "threads": args.threads,
-                     "repeats": args.repeats, "pps": True, "kv_unified": True},
-        "build": build_info(),
+        "benchmark": "kernels", "model": model.name,
         "rows": rows,
         "raw": runs,
     }
     if args.op:
         report["op"] = op_timings(args, model)
-    report_json(report, args.out, {"rows": [{k: v for k, v in r.items() if not k.endswith("_runs")}
+    report_json(report, args.out, settings, {"rows": [{k: v for k, v in r.items() if not k.endswith("_runs")}
                                             for r in rows], "op": report.get("op")})
     return 0

@@ -3,8 +3,10 @@ of an exact token length, and the machine's name for result folders."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -68,15 +70,6 @@ def decode_loop(branches) -> dict:
     return {"tokens": tokens, "ms": ms, "tokens_per_s": tokens / (ms / 1e3) if ms > 0 else 0.0}
 
 
-def build_info() -> dict:
-    """What our side ran on, for result files: the libllama build's llama.cpp commit, CPU
-    target and features, patch set and flags (from its manifest)."""
-    from .. import library
-    m = library.read_manifest() or {}
-    return {k: m.get(k) for k in ("llama_cpp_commit", "cpu_target", "cpu_features", "patch_set", "patches",
-                                  "build_flags")}
-
-
 def cpu_name() -> str:
     """A folder-friendly name of this machine's CPU."""
     name = platform.processor() or platform.machine()
@@ -111,9 +104,42 @@ QUESTIONS = [
 ]
 
 
-def report_json(report: dict, out: Path | None, shown: dict | None = None) -> None:
-    """Print a benchmark's figures (or the `shown` part of them) and write all to `out`."""
-    print(json.dumps(report if shown is None else shown, indent=2))
+def machine() -> dict:
+    """The machine a result was measured on."""
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "arch": platform.machine(),
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+
+
+def settings_of(args, config=None) -> dict:
+    """A benchmark's settings for its result file: its command-line options, and the
+    fan-out settings (FanoutConfig) it ran with, threads resolved to the number used."""
+    out = {"options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    if config is not None:
+        out["fanout"] = {**config.as_dict(), "n_threads": config.n_threads or os.cpu_count() or 1}
+    return out
+
+
+def add_threads(ap) -> None:
+    """--threads, the same flag in every benchmark (None: all of this machine's CPUs)."""
+    ap.add_argument("--threads", type=int, default=None, metavar="N",
+                    help="CPU threads for decoding (default: all of this machine's)")
+
+
+def report_json(report: dict, out: Path | None, settings: dict, shown: dict | None = None) -> dict:
+    """Print a benchmark's figures (or the `shown` part of them) and write them to `out`
+    with the settings they ran with, the libllama build and the machine, so two result
+    files can be compared (or shown not to be comparable). Returns what was written."""
+    full = write_result(out, report, settings)
+    print(json.dumps(full if shown is None else shown, indent=2))
+    return full
+
+
+def write_result(out: Path | None, report: dict, settings: dict) -> dict:
+    """`report` with its settings, the libllama build and the machine, written to `out`
+    (if given) as JSON; returns what was written."""
+    from .. import library
+    full = {"settings": settings, "build": library.build_info(), "machine": machine(), **report}
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        out.write_text(json.dumps(full, indent=2) + "\n")
+    return full

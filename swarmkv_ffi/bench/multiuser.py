@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .measure import build_info, cpu_name, report_json
+from .measure import report_json, settings_of
 
 SYSTEM_PYTHON = "/usr/bin/python3"   # the venv may be unreadable to the other uids
 
@@ -199,16 +199,14 @@ def main(argv: list[str] | None = None) -> int:
         parts = (alone if name == "alone" else attacked)["parts"]
         for key in ("queued_ms", "swap_ms", "slices", "generated_tokens"):
             run[f"mean_{key}"] = statistics.fmean(p.get(key, 0.0) for p in parts) if parts else None
-    report = {"benchmark": "multiuser", "machine": cpu_name(), "date": time.strftime("%Y-%m-%d"),
-              "settings": {k: v for k, v in vars(args).items() if k != "out"} | {"model": "smollm2-135m"},
-              "build": build_info(), "alone": a, "under_attack": h,
+    report = {"benchmark": "multiuser", "model": "smollm2-135m", "alone": a, "under_attack": h,
               "p99_ratio": h["p99_ms"] / a["p99_ms"], "p50_ratio": h["p50_ms"] / a["p50_ms"],
               "victim_errors": {"alone": alone["errors"], "under_attack": attacked["errors"]},
               "hostile_counts": json.loads(hostile_out) if hostile_out.strip().startswith("{") else None,
               "daemon_alive_after": alive, "daemon_log_tail": log_tail[-1500:]}
     print(f"victim p50 {a['p50_ms']:.0f} -> {h['p50_ms']:.0f} ms, p99 {a['p99_ms']:.0f} -> {h['p99_ms']:.0f} ms "
           f"({report['p99_ratio']:.2f}x); errors under attack: {len(attacked['errors'])}")
-    report_json(report, args.out / "multiuser.json" if args.out else None,
+    report_json(report, args.out / "multiuser.json" if args.out else None, settings_of(args),
                 shown={k: report[k] for k in ("alone", "under_attack", "p99_ratio", "hostile_counts",
                                               "victim_errors", "daemon_alive_after")})
     return 0

@@ -32,9 +32,9 @@ import urllib.request
 from pathlib import Path
 
 from .. import catalog, library
-from ..fanout import BranchSpec, run_fanout
+from ..fanout import BranchSpec, FanoutConfig, run_fanout
 from ..model import Model
-from .measure import build_info, document_of
+from .measure import document_of, settings_of, write_result
 
 QUESTIONS = ["What is this document about?", "Who may use the work?", "What must be kept in copies?",
              "What is excluded?", "Can I sell copies?", "What happens if I sue?", "What is a Contribution?",
@@ -242,11 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                 result = one_config(args, model, document, n, gen)
                 rows.append(result["row"])
                 texts[f"n{n}_gen{gen}"] = result["texts"]
-                report = {"model": args.model, "document_tokens": args.tokens, "threads": args.threads,
-                          "runs": args.runs, "build": build_info(),
-                          "server": str(args.server), "server_args": args.server_args,
-                          "argv": sys.argv, "rows": rows, "texts": texts}
-                (args.out / "peer.json").write_text(json.dumps(report, indent=2) + "\n")
+                report = {"model": args.model, "document_tokens": args.tokens, "argv": sys.argv,
+                          "rows": rows, "texts": texts}
+                write_result(args.out / "peer.json", report, settings_of(args, FanoutConfig(n_threads=args.threads)))
                 with open(args.out / "peer.csv", "w", newline="") as f:
                     w = csv.DictWriter(f, fieldnames=list(rows[0]))
                     w.writeheader()

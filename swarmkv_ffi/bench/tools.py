@@ -15,7 +15,7 @@ process run, after a warm-up; ours are medians of --repeats runs:
                              step, no sampling) written against our binding: what our
                              cffi layer costs, with nothing of the fan-out around it
 
-    python bench/tools.py --tokens 1565 --n 16 --gen 32 --out bench/results/latest/tools.json
+    swarmkv bench tools --tokens 1565 --n 16 --gen 32 --out bench/results/latest/tools.json
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from ..fanout import BranchSpec, FanoutConfig, run_fanout
 from ..fanout.shared import together
 from ..model import Model
 from .defaults import single_sequence
-from .measure import QUESTIONS, cpu_name, decode_loop, decode_tps, document_of, report_json
+from .measure import QUESTIONS, decode_loop, decode_tps, document_of, report_json, settings_of
 
 
 def tool(name: str) -> Path:
@@ -127,7 +127,8 @@ def ours(model: Model, document: str, args) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="swarmkv bench tools", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL, help=f"catalog name or GGUF path (default {DEFAULT_MODEL})")
     ap.add_argument("--tokens", type=int, default=1565, help="document / prompt length (default 1565)")
     ap.add_argument("--n", type=int, default=16, help="parallel sequences (default 16)")
@@ -146,8 +147,7 @@ def main(argv=None) -> int:
     peer_tg = statistics.median(r["speed_tg"] for r in peer_runs)
     tg = mine["tg"]
     report = {
-        "machine": cpu_name(), "model": path.name, "tokens": mine["tokens"], "n": args.n, "gen": args.gen,
-        "threads": args.threads, "repeats": args.repeats,
+        "model": path.name, "tokens": mine["tokens"],
         "prefill_tps": {"ours": mine["pp_tps"], "ours_runs": mine["pp_runs"], "llama_bench": peer_pp,
                         "ratio_vs_best": mine["pp_tps"] / max(peer_pp.values())},
         # Like for like: every batched-bench tg step decodes N tokens; so do our full-batch steps.
@@ -160,5 +160,5 @@ def main(argv=None) -> int:
         "ours_decode_runs": mine["tg_runs"], "ours_binding_runs": mine["binding_runs"],
         "llama_batched_bench_rows": peer_runs,
     }
-    report_json(report, args.out, {k: report[k] for k in ("prefill_tps", "decode_tps")})
+    report_json(report, args.out, settings_of(args, FanoutConfig(n_threads=args.threads)), {k: report[k] for k in ("prefill_tps", "decode_tps")})
     return 0

@@ -17,7 +17,10 @@ MAX_BYTES = 1 << 62  # anything larger is a malformed request, not a real model
 
 
 class LedgerDenied(SwarmKVError):
-    """The request does not fit; carries the three numbers the protocol reports."""
+    """The request does not fit; carries the three numbers the protocol reports. On the wire
+    the request's bytes are `request_table_bytes=` whatever was asked for (an agent's context,
+    a model's weights, a swapped KV state): the field name is fixed by the protocol, which
+    clients parse."""
 
     def __init__(self, ledger_max: int, allocated: int, request: int, reason: str = "CAP",
                  name: str = "VRAM"):

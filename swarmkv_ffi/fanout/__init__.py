@@ -19,6 +19,7 @@ Timings are taken with time.perf_counter_ns, relative to the start of run_fanout
 from .baseline import run_baseline
 from .config import FanoutConfig
 from .engine import run_fanout
-from .plan import MODES, BranchResult, BranchSpec, FanoutResult, plan_fanout
+from .plan import plan_fanout
+from .types import MODES, BranchResult, BranchSpec, FanoutResult
 
 __all__ = ["MODES", "BranchResult", "BranchSpec", "FanoutConfig", "FanoutResult", "plan_fanout", "run_baseline", "run_fanout"]

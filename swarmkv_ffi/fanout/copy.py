@@ -11,10 +11,12 @@ from concurrent.futures import Future
 from ..generate import generate
 from ..snapshot import Snapshot
 from .dag import Dag
-from .plan import BranchResult, Plan, prefill, record_generation
+from .plan import Plan
+from .prefill import prefill
+from .types import BranchResult
 
 
-def add_copy_nodes(dag: Dag, plan: Plan, snapshot_in, snapshot_out, progress, keep_logits, on_capture=None):
+def add_copy_nodes(dag: Dag, plan: Plan, snapshot_in, snapshot_out, progress, trace_logits, on_capture=None):
     """prefill → one snapshot per distinct watermark (a gate) → branch-i nodes.
     snapshot_in may hold the whole document or a start of it; on_capture(snapshot)
     receives the document's state at each of plan.capture_at."""
@@ -32,7 +34,7 @@ def add_copy_nodes(dag: Dag, plan: Plan, snapshot_in, snapshot_out, progress, ke
 
     dag.add("prefill", prefill)
     for i, w in enumerate(plan.watermarks):
-        dag.add(f"branch-{i}", lambda _, i=i, w=w: _copy_branch(plan, i, gates[w].result(), keep_logits),
+        dag.add(f"branch-{i}", lambda _, i=i, w=w: _copy_branch(plan, i, gates[w].result(), trace_logits),
                 gates=[gates[w]])
 
 
@@ -67,7 +69,7 @@ def _copy_prefill(plan: Plan, gates: dict[int, Future], snapshot_in, snapshot_ou
     return prefill_ms, snaps[n].nbytes
 
 
-def _copy_branch(plan: Plan, i: int, gate_value, keep_logits: bool) -> BranchResult:
+def _copy_branch(plan: Plan, i: int, gate_value, trace_logits: bool) -> BranchResult:
     snapshot, ready_ms = gate_value
     res = plan.result(i)
     res.ready_ms = ready_ms
@@ -81,5 +83,5 @@ def _copy_branch(plan: Plan, i: int, gate_value, keep_logits: bool) -> BranchRes
         res.fork_ms = (time.perf_counter_ns() - t) / 1e6
         plan.check_stop()
         gen = generate(ctx, plan.layout.suffixes[i], max_tokens=plan.specs[i].max_tokens,
-                       sampler=sampler, pos0=w, keep_first_logits=keep_logits, should_stop=plan.stop.is_set)
-    return record_generation(res, gen, res.fork_ms)
+                       sampler=sampler, pos0=w, trace_logits=trace_logits, should_stop=plan.stop.is_set)
+    return res.record_generation(gen, res.fork_ms)

@@ -9,14 +9,15 @@ from ..snapshot import Snapshot
 from .config import FanoutConfig
 from .copy import add_copy_nodes
 from .dag import Dag
-from .plan import MODES, BranchSpec, FanoutResult, check_snapshot_document, plan_fanout
+from .plan import check_snapshot_document, plan_fanout
+from .types import MODES, BranchSpec, FanoutResult
 from .shared import Schedule, run_shared, together
 
 
 def run_fanout(model: Model, document: str, specs: list[BranchSpec],
                config: FanoutConfig | None = None, *, mode: str = "shared",
                snapshot_in: Snapshot | None = None, snapshot_out: Callable[[Snapshot], None] | None = None,
-               progress: Callable[[int, int], None] | None = None, keep_logits: bool = False,
+               progress: Callable[[int, int], None] | None = None, trace_logits: bool = False,
                branch_workers: int = 1, schedule: Schedule = together,
                timeout: float | None = 3600.0, cache: PrefixCache | bool | None = True,
                **settings) -> FanoutResult:
@@ -31,7 +32,7 @@ def run_fanout(model: Model, document: str, specs: list[BranchSpec],
     cache boundaries, so the next run over it (or over an extension of it) skips that work.
     snapshot_in: reuse a snapshot of this document (its tokens must match) and skip the
     prefill. snapshot_out: called with the document's snapshot once the prefill is done.
-    keep_logits: keep each branch's first logits, and a digest of the logits of every
+    trace_logits: keep each branch's first logits, and a digest of the logits of every
     sampled token (exact.digest). progress(done, total): prefill progress in tokens.
     branch_workers: copy-mode branches that may run at once (each in its own context).
     schedule: how shared mode splits one step's work into decodes (default: all of it in
@@ -55,11 +56,11 @@ def run_fanout(model: Model, document: str, specs: list[BranchSpec],
     dag = Dag()
     plan.stop = dag.stop
     if mode == "shared":
-        dag.add("shared", lambda _: run_shared(plan, snapshot_in, snapshot_out, progress, keep_logits,
+        dag.add("shared", lambda _: run_shared(plan, snapshot_in, snapshot_out, progress, trace_logits,
                                                on_capture=captured.append, schedule=schedule))
         branches, prefill_ms, snapshot_bytes, n_ctx_used = dag.run(max_workers=1, timeout=timeout)["shared"]
     else:
-        add_copy_nodes(dag, plan, snapshot_in, snapshot_out, progress, keep_logits, on_capture=captured.append)
+        add_copy_nodes(dag, plan, snapshot_in, snapshot_out, progress, trace_logits, on_capture=captured.append)
         out = dag.run(max_workers=branch_workers + 1, timeout=timeout)
         branches = [out[f"branch-{i}"] for i in range(len(specs))]
         prefill_ms, snapshot_bytes = out["prefill"]

@@ -1,84 +1,24 @@
-"""The plan of a fan-out run: branch specs, results, and everything decided before any
-context or buffer exists (prompt layout, watermarks, context budget)."""
+"""The plan of a fan-out run: everything decided before any context or buffer exists
+(prompt layout, watermarks, context budget, context parameters)."""
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .. import exact
-from ..batch import Batch
 from ..context import Context, ContextParams
 from ..errors import SnapshotMismatchError
-from ..generate import Answer, Generation
 from ..model import Model
-from ..prefix_cache import TAIL
 from ..sampler import Sampler
 from ..snapshot import Snapshot, params_signature, tokens_hash
 from .budget import check_budget
 from .config import FanoutConfig
 from .dag import DagStopped
 from .prompts import PromptLayout, layout
-
-MODES = ("shared", "copy")
-
-
-@dataclass
-class BranchSpec:
-    """One question to answer. `watermark`: how many document tokens it needs (None = all)."""
-    question: str
-    max_tokens: int = 64
-    temp: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    watermark: int | None = None
-
-
-@dataclass
-class BranchResult:
-    index: int
-    question: str
-    n_prefix_used: int
-    prompt_token_ids: list[int]
-    prompt_text: str
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    stopped_on_eog: bool = False
-    ready_ms: float = 0.0
-    prefill_ms: float = 0.0      # baseline only: this agent's own prefill of the document
-    fork_ms: float = 0.0
-    activation_ms: float = 0.0
-    decode_ms: float = 0.0
-    tokens_per_s: float = 0.0
-    first_logits: np.ndarray | None = field(default=None, repr=False)
-    logit_digests: list[str] = field(default_factory=list)  # keep_logits: exact.digest of each sampled row
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("first_logits")
-        return d
-
-
-@dataclass
-class FanoutResult:
-    mode: str
-    model: str
-    n_prefix: int
-    n_ctx: int
-    prefill_ms: float
-    prefill_skipped: bool
-    snapshot_bytes: int
-    total_ms: float
-    branches: list[BranchResult]
-    cached_tokens: int = 0          # document tokens restored (prefix cache or snapshot_in)
-    cache_store_ms: float = 0.0     # writing this run's snapshots to the cache, after total_ms
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["branches"] = [b.to_dict() for b in self.branches]
-        return d
+from .types import BranchResult, BranchSpec
 
 
 @dataclass
@@ -183,46 +123,3 @@ def check_snapshot_document(snap: Snapshot, lay: PromptLayout, partial: bool = F
 
 def round_up(n: int, k: int) -> int:
     return -(-n // k) * k
-
-
-def prefill_stops(plan: Plan) -> list[int]:
-    """Chunk boundaries: every n_batch tokens, at every watermark and cache point, and
-    always TAIL tokens before the end (a prefix-cache point). Outside exact mode the
-    kernels round differently for other chunkings, so a run that fills the cache must chunk
-    like one that does not: then a restored document holds the bytes a cache-off run
-    computes."""
-    n = plan.layout.n_prefix
-    stops = set(range(plan.n_batch, n, plan.n_batch)) | set(plan.watermarks) | set(plan.capture_at) | {n}
-    if n > 2 * TAIL:
-        stops.add(n - TAIL)
-    return sorted(stops)
-
-
-def prefill(plan: Plan, ctx: Context, upto: int | None = None, on_chunk=None, start: int = 0) -> None:
-    """Decode the document's tokens start..upto (all by default; sequence 0 already holds
-    the first `start`), in the plan's chunks, logits off; on_chunk(done) runs after each."""
-    prefix = plan.layout.prefix
-    upto = plan.layout.n_prefix if upto is None else upto
-    done, batch = start, Batch(plan.n_batch)
-    for stop in (s for s in prefill_stops(plan) if start < s <= upto):
-        plan.check_stop()
-        batch.clear().add_sequence(prefix[done:stop], done, 0, logits_last=False)
-        ctx.decode(batch)
-        done = stop
-        if on_chunk:
-            on_chunk(done)
-
-
-def record_answer(res: BranchResult, answer: Answer, activation_ms: float) -> BranchResult:
-    """Copy a branch's answer into its result; activation_ms: from ready to its first token."""
-    res.token_ids, res.text, res.stopped_on_eog = answer.tokens, answer.text, answer.stopped_on_eog
-    res.activation_ms = activation_ms
-    res.decode_ms, res.tokens_per_s = answer.decode_ms, answer.tokens_per_s
-    res.first_logits, res.logit_digests = answer.first_logits, answer.logit_digests
-    return res
-
-
-def record_generation(res: BranchResult, gen: Generation, setup_ms: float) -> BranchResult:
-    """A branch that ran generate(): setup_ms is what it paid before its prompt (a fork, or
-    the baseline's own prefill), so activation = setup + first token."""
-    return record_answer(res, gen, setup_ms + gen.first_token_ms)

@@ -16,7 +16,8 @@ from ..batch import Batch
 from ..errors import BudgetError
 from ..generate import Answer
 from ..snapshot import Snapshot
-from .plan import Plan, prefill_stops, record_answer, round_up
+from .plan import Plan, round_up
+from .prefill import prefill_stops
 
 Chunk = tuple[int, int] | None   # document tokens [start, stop) to prefill in this step
 Schedule = Callable[[Chunk, list], list[tuple[Chunk, list]]]
@@ -30,11 +31,11 @@ def together(chunk: Chunk, branches: list) -> list[tuple[Chunk, list]]:
 class _Branch:
     """A branch inside the shared context: its sequence, sampler and answer so far."""
 
-    def __init__(self, plan: Plan, i: int, keep_logits: bool):
+    def __init__(self, plan: Plan, i: int, trace_logits: bool):
         self.i, self.seq = i, i + 1
         self.res = plan.result(i)
         self.sampler = plan.sampler(i)
-        self.answer = Answer(plan.model, plan.specs[i].max_tokens, keep_logits=keep_logits)
+        self.answer = Answer(plan.model, plan.specs[i].max_tokens, trace_logits=trace_logits)
         self.prompt = plan.layout.suffixes[i]   # decoded whole in the branch's first step
         self.pos = plan.watermarks[i]
         self.row = -1
@@ -54,11 +55,11 @@ class _SharedRun:
     """One run's moving parts: the document's progress in sequence 0, the branches
     waiting for their watermark, the live ones, and what the caller asked to receive."""
 
-    def __init__(self, plan: Plan, ctx, keep_logits: bool, capacity: int,
+    def __init__(self, plan: Plan, ctx, trace_logits: bool, capacity: int,
                  progress, snapshot_out, on_capture):
         self.plan, self.ctx = plan, ctx
         self.progress, self.snapshot_out, self.on_capture = progress, snapshot_out, on_capture
-        self.branches = [_Branch(plan, i, keep_logits) for i in range(len(plan.specs))]
+        self.branches = [_Branch(plan, i, trace_logits) for i in range(len(plan.specs))]
         self.waiting = sorted(self.branches, key=lambda b: b.pos)
         self.live: list[_Branch] = []
         self.batch = Batch(capacity)
@@ -124,7 +125,7 @@ class _SharedRun:
         if not b.answer.take(self.ctx, b.row, b.sampler):
             return
         b.answer.finish()
-        record_answer(b.res, b.answer, self.plan.ms(b.answer.first_ns) - b.res.ready_ms)
+        b.res.record(b.answer, self.plan.ms(b.answer.first_ns) - b.res.ready_ms)
         # Free the branch's own cells (shared ones stay with seq 0). Exact mode keeps them:
         # reused cells would put other branches' later tokens before their earlier ones in
         # cell order, which is the order flash attention sums in.
@@ -141,7 +142,7 @@ def context_size(plan: Plan) -> int:
     return max(plan.n_ctx, round_up(lay.n_prefix + own + plan.headroom, 256))
 
 
-def run_shared(plan: Plan, snapshot_in, snapshot_out, progress, keep_logits,
+def run_shared(plan: Plan, snapshot_in, snapshot_out, progress, trace_logits,
                on_capture=None, schedule: Schedule = together):
     """snapshot_in may hold the whole document or a start of it (the rest is prefilled);
     on_capture(snapshot) receives seq 0's state at each of plan.capture_at. schedule
@@ -153,7 +154,7 @@ def run_shared(plan: Plan, snapshot_in, snapshot_out, progress, keep_logits,
     n_ctx = context_size(plan)
     capacity = plan.n_batch + sum(len(s) for s in plan.layout.suffixes) + n_branches
     with plan.context(n_ctx, n_seq_max=n_branches + 1, n_batch=capacity) as ctx:
-        run = _SharedRun(plan, ctx, keep_logits, capacity, progress, snapshot_out, on_capture)
+        run = _SharedRun(plan, ctx, trace_logits, capacity, progress, snapshot_out, on_capture)
         try:
             run.start(snapshot_in)
             stops = iter(s for s in prefill_stops(plan) if s > run.done)

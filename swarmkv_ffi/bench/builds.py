@@ -1,11 +1,10 @@
-#!/usr/bin/env python3
 """Prefill and decode speed of two libllama builds on this machine, e.g. the native build
 against `./build_llama.sh --portable --prefix /tmp/libllama-portable`.
 
 Each measurement runs in a child process (a process loads one libllama), A and B
 alternate, and the ratio of medians is reported, so machine noise hits both alike.
 
-    bench/builds.py --a libllama --b /tmp/libllama-portable --out bench/results/X/builds.json
+    swarmkv bench builds --a libllama --b /tmp/libllama-portable --out bench/results/X/builds.json
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from swarmkv_ffi.bench.measure import report_json
+from .measure import report_json, settings_of
 
 CHILD = r"""
 import json, sys, time
@@ -50,8 +49,9 @@ def measure(prefix: Path, args) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="swarmkv bench builds", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--a", type=Path, default=Path("libllama"), help="install folder of build A (default ./libllama)")
     ap.add_argument("--b", type=Path, required=True, help="install folder of build B")
     ap.add_argument("--prompt", type=int, default=512, help="prefill tokens (default 512)")
@@ -59,7 +59,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each build, alternating (default 3)")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     runs = {"a": [], "b": []}
     for r in range(args.repeats):
@@ -79,7 +79,7 @@ def main() -> int:
               "repeats": args.repeats, "builds": summary,
               "b_over_a_prefill": summary["b"]["pp_tps_median"] / summary["a"]["pp_tps_median"],
               "b_over_a_decode": summary["b"]["tg_tps_median"] / summary["a"]["tg_tps_median"]}
-    report_json(report, args.out)
+    report_json(report, args.out, settings_of(args))
     return 0
 
 
