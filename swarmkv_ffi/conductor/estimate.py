@@ -1,4 +1,4 @@
-"""How many bytes an agent needs, derived from its GGUF before anything is loaded.
+"""How many bytes an agent needs, from its GGUF's facts, before its weights are booked.
 
     weights  the sum of the tensors' sizes in the file
     kv       n_ctx x n_layer x n_head_kv x (key_length + value_length) x 2 bytes (f16 cache)
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import ModelLoadError
-from .modelfile import ModelFile, read_header
+from .modelfile import ModelFile, check_unchanged, fd_path
 
 N_UBATCH = 512
 KV_BYTES = 2  # f16 cache
@@ -46,42 +46,25 @@ class Estimate:
         return {**asdict(self), "total": self.total}
 
 
-def _facts(path: Path) -> dict:
-    """Architecture facts and tensor bytes from the GGUF header (the `gguf` package)."""
-    import gguf
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:
-        raise ModelLoadError(f"cannot read GGUF metadata from {path}: {exc}") from exc
+def facts_of(model) -> dict:
+    """The facts the estimate needs, as libllama read them from a loaded model: its C parser
+    takes under a second where gguf-py spends 17 s on Gemma 3's 262k-token vocabulary."""
+    arch = model.meta("general.architecture") or "?"
+    n_embd, n_head = model.n_embd, max(1, model.n_head)
 
-    def get(key, default=None):
-        field = reader.fields.get(key)
-        return default if field is None else field.contents()
-
-    arch = get("general.architecture")
-    if arch is None:
-        raise ModelLoadError(f"{path}: GGUF has no general.architecture")
-    n_embd = get(f"{arch}.embedding_length")
-    n_head = get(f"{arch}.attention.head_count")
-    n_layer = get(f"{arch}.block_count")
-    if None in (n_embd, n_head, n_layer):
-        raise ModelLoadError(f"{path}: GGUF lacks embedding_length, head_count or block_count for {arch}")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    return {
-        "arch": arch, "n_embd": n_embd, "n_head": n_head, "n_layer": n_layer,
-        "n_head_kv": get(f"{arch}.attention.head_count_kv", n_head),
-        "key_length": get(f"{arch}.attention.key_length", n_embd // n_head),
-        "value_length": get(f"{arch}.attention.value_length", n_embd // n_head),
-        "n_vocab": len(tokens.data) if tokens is not None else 32000,
-        "weights": sum(int(t.n_bytes) for t in reader.tensors),
-        "header_bytes": int(reader.data_offset),
-    }
+    def number(key: str, default: int) -> int:
+        value = model.meta(f"{arch}.{key}")
+        return int(value) if value and value.isdigit() else default
+    return {"arch": arch, "n_embd": n_embd, "n_head": n_head, "n_layer": model.n_layer,
+            "n_head_kv": model.n_head_kv, "key_length": number("attention.key_length", n_embd // n_head),
+            "value_length": number("attention.value_length", n_embd // n_head),
+            "n_vocab": model.n_vocab, "weights": model.size_bytes}
 
 
 def estimate(mf: ModelFile, fd: int, n_ctx: int, facts: dict | None = None) -> Estimate:
     """The GGUF-derived estimate for an opened, checked model file (modelfile.py); the
-    facts are cached per file identity, since reading a vocabulary is slow. `facts`: the
-    header facts the sandbox read from an untrusted file (the daemon never parses it)."""
+    facts are cached per file identity. `facts`: those the sandbox read from an untrusted
+    file (the daemon loads such a file only once the sandbox has survived it)."""
     if facts is None:
         facts = _trusted_facts(mf, fd)
     kv = n_ctx * facts["n_layer"] * facts["n_head_kv"] * (facts["key_length"] + facts["value_length"]) * KV_BYTES
@@ -96,9 +79,24 @@ def _trusted_facts(mf: ModelFile, fd: int) -> dict:
         with _lock:
             facts = _cache.get(mf.identity)
         if facts is None:
-            facts = read_header(mf, fd, _facts)
+            facts = _load_facts(mf, fd)
             with _lock:
                 _cache[mf.identity] = facts
+    return facts
+
+
+def _load_facts(mf: ModelFile, fd: int) -> dict:
+    """A trusted file's facts: libllama loads it here, on the CPU and without mmap (a file
+    truncated under a mapping would kill the daemon with SIGBUS; a read just fails), and
+    the file must not have changed meanwhile."""
+    from ..model import Model
+    try:
+        with Model(fd_path(fd), n_gpu_layers=0, use_mmap=False) as model:
+            facts = facts_of(model)
+    except ModelLoadError:
+        check_unchanged(mf, fd)          # a file cut short says so, not libllama's guess
+        raise
+    check_unchanged(mf, fd)
     return facts
 
 

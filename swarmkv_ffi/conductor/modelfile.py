@@ -13,15 +13,12 @@ from __future__ import annotations
 import ctypes
 import os
 import stat
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ModelLoadError
 
 MIN_BYTES = 32                 # a GGUF header is at least this long
-HEADER_COPY = 16 << 20         # first try: metadata + tensor infos of typical models
-HEADER_COPY_MAX = 512 << 20    # a header larger than this is not a model we can serve
 
 
 @dataclass(frozen=True)
@@ -171,27 +168,3 @@ def check_unchanged(mf: ModelFile, fd: int) -> None:
         raise ModelLoadError(f"{mf.path} changed while it was being read; try again once it is complete")
 
 
-def read_header(mf: ModelFile, fd: int, parse):
-    """parse(path) on a private copy of the file's header: the header's bytes, then a
-    sparse hole up to the file's size. `parse` returns a dict whose "header_bytes" says
-    how much of the file the header really took; a larger header is copied again. Nothing the client does to the file afterwards can
-    reach the copy (no SIGBUS). Copies more if the header is larger than the first try."""
-    size = mf.identity[2]
-    want = min(size, HEADER_COPY)
-    while True:
-        with tempfile.NamedTemporaryFile(prefix="lmxd-header-", suffix=".gguf") as copy:
-            data = os.pread(fd, want, 0)
-            copy.write(data)
-            copy.truncate(size)
-            copy.flush()
-            check_unchanged(mf, fd)
-            try:
-                facts = parse(Path(copy.name))
-                if facts.get("header_bytes", 0) <= want:
-                    return facts
-            except ModelLoadError:
-                if want >= size or want >= HEADER_COPY_MAX:
-                    raise
-            if want >= size or want >= HEADER_COPY_MAX:
-                raise ModelLoadError(f"{mf.path}: GGUF header larger than {want} bytes")
-        want = min(size, want * 4, HEADER_COPY_MAX)

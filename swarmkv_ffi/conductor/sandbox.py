@@ -28,6 +28,7 @@ import threading
 from pathlib import Path
 
 from ..errors import ModelLoadError
+from .estimate import facts_of
 from .modelfile import ModelFile
 
 CPU_SECONDS = 30
@@ -112,21 +113,6 @@ def _limit(file_bytes: int) -> None:
     for which, value in ((resource.RLIMIT_AS, address_space), (resource.RLIMIT_CPU, CPU_SECONDS),
                          (resource.RLIMIT_FSIZE, 0), (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(which, (value, value))
-
-
-def facts_of(model) -> dict:
-    """The estimate's header facts (estimate._facts' keys), as libllama read them: its C
-    parser is fast where gguf-py spends seconds on a crafted million-entry vocabulary."""
-    arch = model.meta("general.architecture") or "?"
-    n_embd, n_head = model.n_embd, max(1, model.n_head)
-
-    def number(key: str, default: int) -> int:
-        value = model.meta(f"{arch}.{key}")
-        return int(value) if value and value.isdigit() else default
-    return {"arch": arch, "n_embd": n_embd, "n_head": n_head, "n_layer": model.n_layer,
-            "n_head_kv": model.n_head_kv, "key_length": number("attention.key_length", n_embd // n_head),
-            "value_length": number("attention.value_length", n_embd // n_head),
-            "n_vocab": model.n_vocab, "weights": model.size_bytes}
 
 
 def main(argv: list[str]) -> int:
