@@ -1,4 +1,4 @@
-"""`swarmkv` command line: info, generate, fanout.
+"""`swarmkv` command line: info, generate, fanout, cache, probe, bench.
 
 Every subcommand prints human-readable output by default and one JSON document with
 --json. libllama's own log is silent unless -v (info) or -vv (debug) is given.

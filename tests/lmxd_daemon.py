@@ -2,6 +2,7 @@
 process, waited for, stopped with SIGTERM)."""
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from swarmkv_ffi.conductor import protocol
 from swarmkv_ffi.conductor.client import LmxClient
 from swarmkv_ffi.errors import SwarmKVError
 
@@ -97,9 +99,13 @@ def wait_decoding(daemon: "Daemon", agent_id: str, timeout: float = 120) -> dict
 
 #: A client run as another uid, by a system python that cannot import this package
 #: (the venv may be unreadable to that uid): one request per argument, as JSON
-#: [line, [files to open as that user and send with it]]; prints each reply as a JSON list.
-AS_USER_CLIENT = r"""
+#: [line, [files to open as that user and send with it]]; prints each reply as a JSON list
+#: (["CONNECTION_CLOSED"] if the daemon hangs up first). Replies are read by the package's
+#: own protocol.read_reply, whose source is prepended.
+AS_USER_CLIENT = f"""
 import json, os, socket, sys
+FINAL_OK = {protocol.FINAL_OK!r}
+{inspect.getsource(protocol.read_reply)}
 s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); f = s.makefile('rb')
 for arg in sys.argv[2:]:
     line, files = json.loads(arg)
@@ -108,26 +114,17 @@ for arg in sys.argv[2:]:
         fds = [os.open(p, os.O_RDONLY) for p in files]
     except OSError as exc:
         print(json.dumps(["CLIENT_OPEN_FAILED " + exc.strerror])); continue
-    data = line.encode() + b'\n'
+    data = line.encode() + b'\\n'
     if fds:
         socket.send_fds(s, [data], fds)
     else:
         s.sendall(data)
     for fd in fds:
         os.close(fd)
-    reply, body = [], False
-    while True:
-        raw = f.readline()
-        if not raw:
-            reply.append(''); break
-        r = raw.decode().rstrip('\n')
-        reply.append(r)
-        if body:
-            body = r != 'END_RESPONSE'
-        elif r == 'BEGIN_RESPONSE':
-            body = True
-        elif r == 'OK done' or r.startswith('ERR '):
-            break
+    try:
+        reply = read_reply(f)
+    except EOFError:
+        reply = ["CONNECTION_CLOSED"]
     print(json.dumps(reply), flush=True)
 """
 
@@ -137,9 +134,28 @@ def as_user(uid: int, daemon: "Daemon", *requests, timeout: float = 300) -> list
     import json
     args = [json.dumps([r, []] if isinstance(r, str) else [r[0], list(map(str, r[1]))]) for r in requests]
     done = subprocess.run([SYSTEM_PYTHON, "-c", AS_USER_CLIENT, str(daemon.path), *args], capture_output=True,
-                          text=True, timeout=timeout, preexec_fn=lambda: (os.setgid(uid), os.setuid(uid)))
+                          text=True, timeout=timeout, preexec_fn=become(uid))
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def become(uid: int):
+    """A preexec_fn that turns the child into `uid` (its group too) before it runs."""
+    return lambda: (os.setgid(uid), os.setuid(uid))
+
+
+def outside_body(reply: list[str]) -> list[str]:
+    """A reply's own lines, without the body between BEGIN_RESPONSE and END_RESPONSE."""
+    out, in_body = [], False
+    for line in reply:
+        if in_body:
+            in_body = line != "END_RESPONSE"
+            if in_body:
+                continue
+        elif line == "BEGIN_RESPONSE":
+            in_body = True
+        out.append(line)
+    return out
 
 
 def shared_tmp(prefix: str) -> Path:

@@ -2,7 +2,14 @@
 generate(), no fan-out code): the independent anchor fidelity tests compare with."""
 from __future__ import annotations
 
+import numpy as np
+
 from swarmkv_ffi import exact
+
+
+def greedy(ctx, row: int) -> int:
+    """The most likely token of `row`: a pick for one_token_per_decode."""
+    return int(np.argmax(ctx.logits(row)))
 
 
 def one_token_per_decode(ctx, batch, row: int, pos: int, max_tokens: int, pick) -> tuple[list[int], list[str]]:

@@ -16,6 +16,7 @@ from swarmkv_ffi.bench import conductor, fanout
 from swarmkv_ffi.cli import BENCHMARKS
 
 
+@pytest.mark.slow
 def test_fanout_bench_smoke(tmp_path):
     rc = fanout.main(["--doc-tokens", "200", "--n-ctx", "512", "--trials", "2", "--runs", "2:1",
                       "--sweeps", "branches,doc-length,decode", "--sweep-ns", "1,2", "--doc-lengths", "150",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from plain import greedy, one_token_per_decode
 from swarmkv_ffi import Batch, Context, Model, Sampler, errors
 from swarmkv_ffi.generate import generate
 
@@ -22,14 +23,7 @@ def greedy_by_hand(ctx, prompt, n, one_by_one: bool):
     else:
         row = ctx.decode_tokens(prompt)
     logits0 = ctx.logits(row).copy()
-    out, pos, b = [], len(prompt), Batch(1)
-    for _ in range(n):
-        tok = int(np.argmax(ctx.logits(row)))
-        out.append(tok)
-        b.clear()
-        row = b.add(tok, pos, (0,), logits=True)
-        ctx.decode(b)
-        pos += 1
+    out, _ = one_token_per_decode(ctx, Batch(1), row, len(prompt), n, greedy)
     return out, logits0
 
 

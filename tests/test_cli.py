@@ -2,18 +2,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-
-def swarmkv(*args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "swarmkv_ffi.cli", *args],
-                          capture_output=True, text=True, timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"swarmkv {args} failed ({proc.returncode}):\n{proc.stderr}")
-    return proc
+from commands import swarmkv
 
 
 def test_info_json():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lmxd_daemon import SYSTEM_PYTHON, Daemon, wait_decoding
+from lmxd_daemon import SYSTEM_PYTHON, Daemon, become, wait_decoding
 from swarmkv_ffi.conductor import protocol
 from swarmkv_ffi.conductor.client import LmxError
 
@@ -291,7 +291,7 @@ def test_other_users_are_refused_unless_allowed():
 
     def as_uid(uid):
         return subprocess.run([SYSTEM_PYTHON, "-c", code, str(d.path)], capture_output=True, text=True,
-                              timeout=60, preexec_fn=lambda: os.setuid(uid)).stdout.strip()
+                              timeout=60, preexec_fn=become(uid)).stdout.strip()
     try:
         assert as_uid(65534).startswith("ERR FORBIDDEN")
         assert as_uid(12345) == "OK schema=lmx-daemon/1"

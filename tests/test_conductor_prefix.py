@@ -42,6 +42,7 @@ def ask(c, agent: str, question: str) -> dict:
     return c.decode(agent, 12, f" Question: {question} Answer:")
 
 
+@pytest.mark.slow
 def test_eight_agents_share_one_prefill_and_one_host_copy(tmp_path, doc):
     with Daemon(tmp_path) as d, d.client() as c:
         for i in range(8):

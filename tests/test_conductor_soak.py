@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from lmxd_daemon import Daemon
+from lmxd_daemon import Daemon, outside_body
+from swarmkv_ffi.conductor.protocol import read_reply
 
 pytestmark = [pytest.mark.skipif(os.environ.get("SWARMKV_SOAK") != "1", reason="set SWARMKV_SOAK=1 to run"),
               pytest.mark.timeout(3600)]
@@ -52,20 +53,10 @@ class Client:
 
     def ask(self, line: bytes) -> list[str]:
         self.sock.sendall(line + b"\n")
-        lines, body = [], False
-        while True:
-            raw = self.reader.readline()
-            assert raw, f"connection closed mid-reply to {line[:40]!r}"
-            text = raw.decode("utf-8", "replace").rstrip("\n")
-            lines.append(text)
-            if body:
-                body = text != "END_RESPONSE"
-                continue
+        reply = read_reply(self.reader)
+        for text in outside_body(reply):
             assert WELL_FORMED.match(text), f"malformed reply line {text!r} to {line[:40]!r}"
-            if text == "BEGIN_RESPONSE":
-                body = True
-            elif text == "OK done" or text.startswith("ERR "):
-                return lines
+        return reply
 
 
 def sample_daemon(pid: int) -> tuple[int, int]:

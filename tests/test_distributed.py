@@ -13,7 +13,7 @@ from swarmkv_ffi.distributed import BranchWorker, prefill_snapshot, run_fanout_r
 from swarmkv_ffi.fanout import BranchSpec, run_fanout  # noqa: E402
 from corpus import DOC, QUESTIONS  # noqa: E402
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]   # a Ray cluster starts
 OPTS = dict(n_batch=64)
 
 

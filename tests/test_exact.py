@@ -5,8 +5,10 @@ generate(): one fresh exact context holding the document (prefilled once per mod
 n_batch chunks, then restored byte for byte into each plain run), the branch's prompt
 in one decode, then one token per llama_decode. Shared mode must reproduce its tokens
 and the digest of every row of logits it sampled from (exact.digest: raw float32
-bytes), for N in {1, 2, 3, 8, 16} over a document of more than 3,000 tokens, with
-branches that finish at different times; and with temperature sampling, fixed seeds.
+bytes). One N = 16 run whose branches stop at different lengths passes through every
+live-branch count from 16 down to 1, so it covers what runs at N = 1, 2, 3, 8 would; greedy,
+and with temperature sampling and fixed seeds. SmolLM2 reads a document of more than 3,000
+tokens; Gemma 3 a 1,200-token one, past its 512-token sliding window.
 """
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ from swarmkv_ffi.snapshot import Snapshot
 pytestmark = pytest.mark.fidelity
 
 N_BATCH = 512
-SIZES = (1, 2, 3, 8, 16)
+N = 16
+CLAUSES = {"smollm2-135m": 76, "gemma3-270m": 28}   # > 3,000 and ~1,200 tokens
+MIN_PREFIX = {"smollm2-135m": 3000, "gemma3-270m": 1100}
 
 
 def long_document(n_clauses: int = 76) -> str:
@@ -39,14 +43,14 @@ def long_document(n_clauses: int = 76) -> str:
     return "\n".join(out)
 
 
-DOC = long_document()
 QUESTIONS = [f"Summarise clause {c} and say what a late delivery costs." for c in
              (3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 51, 59, 63, 67, 75)]
 
 
 def spec(i: int, sampled: bool) -> BranchSpec:
-    # Odd branches stop early (40 + i tokens), so branches finish at different steps.
-    n = 64 if i % 2 == 0 else 40 + i
+    # Every branch its own length (6..36 tokens, shorter than most answers), so they
+    # finish at different steps.
+    n = 6 + 2 * i
     if sampled:
         return BranchSpec(QUESTIONS[i], max_tokens=n, temp=0.8, seed=1000 + i)
     return BranchSpec(QUESTIONS[i], max_tokens=n)
@@ -55,10 +59,11 @@ def spec(i: int, sampled: bool) -> BranchSpec:
 class Plain:
     """Plain exact runs of one model: the document prefilled once, restored per branch."""
 
-    def __init__(self, model):
-        self.plan = plan_fanout(model, DOC, [spec(i, False) for i in range(16)], n_batch=N_BATCH, exact=True)
+    def __init__(self, model, name: str):
+        self.doc = long_document(CLAUSES[name])
+        self.plan = plan_fanout(model, self.doc, [spec(i, False) for i in range(N)], n_batch=N_BATCH, exact=True)
         lay = self.plan.layout
-        assert lay.n_prefix > 3000, lay.n_prefix
+        assert lay.n_prefix > MIN_PREFIX[name], lay.n_prefix
         with self.context() as ctx:
             batch = Batch(N_BATCH)
             for start in range(0, lay.n_prefix, N_BATCH):
@@ -92,12 +97,12 @@ class Plain:
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
 def plain(request, smol, gemma):
-    return Plain({"smollm2-135m": smol, "gemma3-270m": gemma}[request.param])
+    return Plain({"smollm2-135m": smol, "gemma3-270m": gemma}[request.param], request.param)
 
 
-def shared(plain: Plain, n: int, sampled: bool):
+def shared(plain: Plain, sampled: bool):
     """Shared mode over the plain run's document snapshot (the prefill is tested apart)."""
-    return run_fanout(plain.plan.model, DOC, [spec(i, sampled) for i in range(n)], mode="shared",
+    return run_fanout(plain.plan.model, plain.doc, [spec(i, sampled) for i in range(N)], mode="shared",
                       n_batch=N_BATCH, exact=True, trace_logits=True, cache=False,
                       snapshot_in=plain.document)
 
@@ -111,26 +116,37 @@ def assert_equal_to_plain(plain: Plain, res, sampled: bool) -> None:
             f"{next(k for k, (x, y) in enumerate(zip(b.logit_digests, digests)) if x != y)}")
 
 
+def steps_live(plain: Plain, sampled: bool) -> list[int]:
+    """How many decode steps each branch takes (one per sampled row) in its plain run."""
+    return [len(plain.run(spec(i, sampled), i)[1]) for i in range(N)]
+
+
+@pytest.mark.slow
 def test_shared_branches_equal_plain_runs_bit_for_bit(plain):
-    lengths = {len(plain.run(spec(i, False), i)[0]) for i in range(16)}
-    assert len(lengths) > 1, "branches should finish at different times"
-    for n in SIZES:
-        res = shared(plain, n, sampled=False)
-        assert res.n_prefix > 3000
-        assert_equal_to_plain(plain, res, sampled=False)
+    check_against_plain(plain, sampled=False)
 
 
-@pytest.mark.parametrize("n", [3, 16])
-def test_sampled_branches_equal_plain_runs(plain, n):
-    res = shared(plain, n, sampled=True)
-    assert_equal_to_plain(plain, res, sampled=True)
+@pytest.mark.slow
+@pytest.mark.parametrize("plain", ["smollm2-135m"], indirect=True)   # sampling is the model's own business
+def test_sampled_branches_equal_plain_runs(plain):
+    check_against_plain(plain, sampled=True)
 
 
+def check_against_plain(plain: Plain, sampled: bool) -> None:
+    # Branches that stop at different steps make the live count fall from 16 towards 1;
+    # an end of generation may make two stop together, so most counts, not all, are asked.
+    assert len(set(steps_live(plain, sampled))) >= 12, steps_live(plain, sampled)
+    res = shared(plain, sampled)
+    assert res.n_prefix == plain.plan.layout.n_prefix
+    assert_equal_to_plain(plain, res, sampled)
+
+
+@pytest.mark.slow
 def test_exact_prefill_equals_plain_prefill(plain):
     """Shared mode's own prefill (in a context sized for 3 branches, with their prompts
     batched after it) leaves the plain prefill's bytes. A 1,200-token start of the
     document keeps it short: chunks of 512 and a partial last chunk are all there."""
-    doc = "\n".join(DOC.split("\n")[:28])
+    doc = long_document(28)
     model = plain.plan.model
     saved = []
     run_fanout(model, doc, [spec(i, False) for i in range(3)], n_batch=N_BATCH, exact=True,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import gc
 
+import pytest
+
 from swarmkv_ffi import Context
 from swarmkv_ffi.procmem import rss_bytes
 
@@ -13,6 +15,7 @@ def churn(model, n):
             ctx.decode_tokens(model.tokenize("The quick brown fox"))
 
 
+@pytest.mark.slow
 def test_200_contexts_keep_rss_flat(smol):
     churn(smol, 20)  # warm up allocator pools and libllama's one-time caches
     gc.collect()

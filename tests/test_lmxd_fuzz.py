@@ -12,6 +12,7 @@ import pytest
 
 from lmxd_daemon import Daemon
 from swarmkv_ffi.conductor import protocol
+from swarmkv_ffi.conductor.protocol import read_reply
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -42,21 +43,6 @@ def random_line(rng: random.Random) -> bytes:
     return line.encode("utf-8", "surrogatepass")
 
 
-def read_reply(reader) -> list[str]:
-    lines, in_body = [], False
-    while True:
-        raw = reader.readline()
-        assert raw, f"the daemon closed the connection after {lines}"
-        line = raw.decode("utf-8").rstrip("\n")
-        lines.append(line)
-        if in_body:
-            in_body = line != "END_RESPONSE"
-        elif line == "BEGIN_RESPONSE":
-            in_body = True
-        elif line == protocol.FINAL_OK or line.startswith("ERR "):
-            return lines
-
-
 def well_formed(reply: list[str]) -> bool:
     if len(reply) == 1:
         parts = reply[0].split(" ", 2)
@@ -65,6 +51,7 @@ def well_formed(reply: list[str]) -> bool:
             and reply[-1] == protocol.FINAL_OK)
 
 
+@pytest.mark.slow
 def test_ten_thousand_random_lines(tmp_path):
     rng = random.Random(20261201)
     with Daemon(tmp_path) as d:

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from corpus import LICENCE
-from lmxd_daemon import SYSTEM_PYTHON, Daemon, as_user, eventually, shared_tmp, wait_decoding
+from lmxd_daemon import SYSTEM_PYTHON, Daemon, as_user, become, eventually, shared_tmp, wait_decoding
 from swarmkv_ffi import catalog, tiny_gguf
+from swarmkv_ffi.conductor.protocol import read_reply
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(os.getuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
@@ -80,16 +81,6 @@ def daemon(tmp):
     d = Daemon(tmp, "--allow-uid", str(VICTIM), "--allow-uid", str(MALLORY))
     yield d
     d.stop()
-
-
-def read_reply(sock: socket.socket) -> list[str]:
-    lines, reader = [], sock.makefile("rb")
-    while True:
-        raw = reader.readline()
-        line = raw.decode().rstrip("\n")
-        lines.append(line)
-        if not raw or line == "OK done" or line.startswith("ERR "):
-            return lines
 
 
 def queue_behind(d: Daemon, running: bytes, queued: bytes) -> tuple[socket.socket, socket.socket]:
@@ -159,6 +150,7 @@ def test_crafted_ggufs_fail_in_the_sandbox_and_the_daemon_goes_on(daemon, files)
         c.unregister("witness")
 
 
+@pytest.mark.slow
 def test_a_million_entry_vocabulary_is_bounded_by_the_sandbox(daemon, tmp):
     import gguf
     path = tmp / "vocab.gguf"
@@ -212,7 +204,7 @@ def test_a_queued_decode_runs_in_its_owners_agent_only(daemon):
     (reg,) = as_user(MALLORY, daemon, "REGISTER x smollm2-135m n_ctx=256")
     assert last(reg) == "OK done"
     queued.settimeout(300)
-    assert read_reply(queued)[-1] == "OK done"                 # it ran, in the operator's x
+    assert read_reply(queued.makefile("rb"))[-1] == "OK done"                 # it ran, in the operator's x
     (listing,) = as_user(MALLORY, daemon, "LIST")
     assert fields(listing)["tokens"] == "0"                     # Mallory's x saw nothing
     long_run.close()
@@ -266,7 +258,7 @@ print(s.recv(200).decode().strip(), flush=True)
 """
         import subprocess
         out = subprocess.run([SYSTEM_PYTHON, "-c", hold, str(d.path)], capture_output=True, text=True,
-                             timeout=60, preexec_fn=lambda: os.setuid(MALLORY)).stdout
+                             timeout=60, preexec_fn=become(MALLORY)).stdout
         assert out.startswith(f"ERR BUSY uid {MALLORY} has 3 connections"), out
         (share,) = as_user(MALLORY, d, "REGISTER a smollm2-135m n_ctx=256")
         assert last(share).startswith("ERR VRAM_LEDGER_DENY code=USER_SHARE"), share
@@ -322,6 +314,7 @@ def test_one_byte_at_a_time_does_not_defeat_the_idle_timeout(tmp):
         assert time.monotonic() - t0 < 5
 
 
+@pytest.mark.slow
 def test_turns_go_round_robin_and_a_long_decode_yields(tmp, files):
     """Mallory queues three long DECODEs; the victim's short one, sent after them, finishes
     while Mallory's first is still running (it yields after each slice), and a DECODE
@@ -389,7 +382,7 @@ def nobody_can_run_the_daemon() -> bool:
     import sys
     try:
         probe = subprocess.run([sys.executable, "-c", "import swarmkv_ffi.library as l; l.backend()"],
-                               capture_output=True, preexec_fn=lambda: (os.setgid(MALLORY), os.setuid(MALLORY)))
+                               capture_output=True, preexec_fn=become(MALLORY))
     except OSError:                      # e.g. a python under a 0700 /root
         return False
     return probe.returncode == 0
@@ -405,8 +398,7 @@ def test_a_descriptor_this_process_may_not_reopen_is_loaded_from_a_sealed_copy(f
         if pid == 0:                                  # a process of another uid holding the descriptor
             code = 1
             try:
-                os.setgid(MALLORY)
-                os.setuid(MALLORY)
+                become(MALLORY)()
                 assert not reopenable(fd)
                 with LoadableCopy(mf, fd) as copy:
                     assert copy != fd and reopenable(copy)
@@ -430,7 +422,7 @@ def test_a_daemon_that_is_not_root_loads_a_users_private_model_it_cannot_open(tm
         pytest.skip("this package's install is not readable by uid 65534")
     folder = own_tmp(tmp, "nonroot")
     os.chown(folder, MALLORY, MALLORY)
-    d = Daemon(folder, "--allow-uid", str(VICTIM), preexec_fn=lambda: (os.setgid(MALLORY), os.setuid(MALLORY)))
+    d = Daemon(folder, "--allow-uid", str(VICTIM), preexec_fn=become(MALLORY))
     try:
         reg, dec = as_user(VICTIM, d, ("REGISTER own @fd n_ctx=256", [files["own_model"]]), "DECODE own 3 Hello")
         assert last(reg) == "OK done", reg

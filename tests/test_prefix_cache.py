@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+from commands import swarmkv as run_swarmkv
 
 from corpus import LICENCE
 from swarmkv_ffi.fanout import BranchSpec, run_fanout
@@ -122,6 +122,7 @@ def _writer(root: str, worker: int, n: int, out) -> None:
     out.put((bad, hits))
 
 
+@pytest.mark.slow
 def test_four_processes_share_one_folder_without_corrupt_reads(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
@@ -146,8 +147,7 @@ def test_cli_cache_commands(smol, tmp_path):
     doc.write_text(DOC[:1200])
 
     def swarmkv(*args):
-        return subprocess.run([sys.executable, "-m", "swarmkv_ffi.cli", *args], capture_output=True,
-                              text=True, env=env, timeout=600)
+        return run_swarmkv(*args, check=False, env=env)
     first = swarmkv("fanout", "--doc", str(doc), "--ask", "Who?", "--max-tokens", "4", "--json")
     assert first.returncode == 0, first.stderr
     second = swarmkv("fanout", "--doc", str(doc), "--ask", "Who?", "--max-tokens", "4")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import catalog
 from ..errors import SwarmKVError
-from .protocol import FINAL_OK
+from .protocol import FINAL_OK, read_reply
 
 FD_TOKEN = "@fd"
 
@@ -94,19 +94,10 @@ class LmxClient:
         return self.read_reply()
 
     def read_reply(self) -> list[str]:
-        lines, in_body = [], False
-        while True:
-            raw = self._reader.readline()
-            if not raw:
-                raise SwarmKVError("lmxd closed the connection mid-reply")
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            lines.append(line)
-            if in_body:
-                in_body = line != "END_RESPONSE"
-            elif line == "BEGIN_RESPONSE":
-                in_body = True
-            elif line == FINAL_OK or line.startswith("ERR "):
-                return lines
+        try:
+            return read_reply(self._reader)
+        except EOFError as exc:
+            raise SwarmKVError(str(exc)) from None
 
     def request(self, line: str, fds: list[int] = ()) -> dict:
         """Send a request; parse the reply into {"fields": {...}, "lines": [...], "text": body}

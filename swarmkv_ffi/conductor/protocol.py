@@ -158,6 +158,25 @@ def err(code: str, message: str) -> str:
     return f"ERR {code} {escape(' '.join(message.split())).replace(chr(92) + 'x20', ' ')}\n"
 
 
+def read_reply(reader) -> list[str]:
+    """One reply's lines from a binary reader (sock.makefile("rb")), the client's side:
+    up to `OK done` or an ERR line, a BEGIN_RESPONSE … END_RESPONSE body read whole.
+    Raises EOFError when the connection closes before the reply ends."""
+    lines, in_body = [], False
+    while True:
+        raw = reader.readline()
+        if not raw:
+            raise EOFError(f"lmxd closed the connection mid-reply (after {len(lines)} lines)")
+        line = raw.decode("utf-8", "replace").rstrip("\n")
+        lines.append(line)
+        if in_body:
+            in_body = line != "END_RESPONSE"
+        elif line == "BEGIN_RESPONSE":
+            in_body = True
+        elif line == FINAL_OK or line.startswith("ERR "):
+            return lines
+
+
 def help_reply() -> str:
     lines = HELP + [f"error {code}: {meaning}" for code, meaning in ERROR_CODES.items()]
     return ok("HELP", [], body="\n".join(lines))

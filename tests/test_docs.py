@@ -1,0 +1,44 @@
+"""The README and docs/ point only at things a reader can open, and name only benchmarks
+and commands that exist (docs/lmxd.md's protocol table is checked in test_conductor.py)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from swarmkv_ffi.cli import BENCHMARKS, build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_opens(page):
+    for target in LINK.findall(page.read_text()):
+        if "://" in target:
+            continue
+        assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_benchmark_named_exists(page):
+    named = set(re.findall(r"swarmkv bench ([a-z][a-z-]*)", page.read_text())) - {"NAME"}
+    assert named <= set(BENCHMARKS), f"{page.name} names {sorted(named - set(BENCHMARKS))}"
+
+
+def test_readme_is_short_and_has_the_two_commands():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.encode()) <= 12 * 1024, len(text.encode())
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    assert blocks[0].startswith("./build_llama.sh && python3 -m venv .venv")
+    assert blocks[1].strip() == ".venv/bin/python -m pytest -q"
+    assert len(LINK.findall(text)) >= 9          # the docs map: one link per page
+
+
+def test_readme_synopsis_lists_every_subcommand():
+    text = (ROOT / "README.md").read_text()
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    missing = [name for name in sub.choices if f"swarmkv {name}" not in text]
+    assert not missing, missing
