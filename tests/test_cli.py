@@ -54,6 +54,7 @@ def short_doc(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_fanout_json_and_snapshot_roundtrip(short_doc, tmp_path):
     snap = tmp_path / "doc.swkv"
     # --exact: the second run decodes each branch alone (copy mode), the first both
@@ -94,3 +95,21 @@ def test_fanout_bad_input_is_one_clear_line(short_doc, extra, message):
     proc = swarmkv(*args, check=False)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_one_printer_for_every_mode_ray_included(capsys):
+    """`fanout --ray` prints through the same printer as the local modes (Ray's figures
+    from FanoutResult.extras)."""
+    from argparse import Namespace
+
+    from swarmkv_ffi.cli import _print_fanout
+    from swarmkv_ffi.fanout import BranchResult, FanoutResult
+    branch = BranchResult(index=0, question="Who?", n_prefix_used=10, prompt_token_ids=[1, 2], prompt_text="p",
+                          token_ids=[5, 6], text=" Nobody.", activation_ms=12.0)
+    result = FanoutResult(mode="ray", model="m.gguf", n_prefix=10, n_ctx=256, prefill_ms=90.0,
+                          prefill_skipped=False, snapshot_bytes=2**20, total_ms=150.0, branches=[branch],
+                          extras={"n_actors": 2, "retries": 1, "snapshot_fetch_ms": [3.5], "actor_total_ms": [40.0]})
+    _print_fanout(result, Namespace(doc="doc.txt"))
+    out = capsys.readouterr().out
+    assert "prefilled once on a Ray worker in 90 ms; 2 actors, 1 retries" in out
+    assert "[0] Q: Who?" in out and "A: Nobody." in out and "snapshot fetch 3.5 ms" in out

@@ -69,6 +69,7 @@ def test_eight_agents_share_one_prefill_and_one_host_copy(tmp_path, doc):
         assert fields(status, "prefix") == [] and int(status["fields"]["swap_allocated_bytes"]) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.fidelity
 def test_a_rebuilt_conversation_continues_like_one_that_never_paused(tmp_path, doc):
     with Daemon(tmp_path) as d, d.client() as c:

@@ -28,7 +28,7 @@ def specs(questions, max_tokens=16, **kw):
     return [BranchSpec(q, max_tokens=max_tokens, **kw) for q in questions]
 
 
-ASKED = QUESTIONS[:4]   # what the baselines answer: four plain runs per model
+ASKED = QUESTIONS[:2]   # what the baselines answer: two plain runs per model
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,7 @@ def test_plain_prompt_layout_without_chat(smol):
         assert text.endswith("Answer:")
 
 
+@pytest.mark.slow
 def test_copy_mode_is_bit_identical_to_a_plain_run(any_model, baselines):
     base = baselines[any_model.path.name]
     out = run_fanout(any_model, DOC, specs(ASKED), mode="copy", trace_logits=True, **FANOUT)
@@ -65,6 +66,7 @@ def test_copy_mode_is_bit_identical_to_a_plain_run(any_model, baselines):
     assert out.prefill_ms > 0 and out.snapshot_bytes > 0
 
 
+@pytest.mark.slow
 def test_shared_mode_fast_default_agrees_on_first_tokens(any_model, baselines, record_property):
     base = baselines[any_model.path.name]
     out = run_fanout(any_model, DOC, specs(ASKED), mode="shared", trace_logits=True, **FANOUT)
@@ -98,6 +100,7 @@ def unchunked_greedy(model, tokens, n: int, exact_mode: bool) -> tuple[list[int]
         return one_token_per_decode(ctx, batch, len(tokens) - 1, len(tokens), n, greedy)
 
 
+@pytest.mark.slow
 @pytest.mark.fidelity
 def test_exact_shared_mode_equals_an_unchunked_greedy_loop(any_model):
     """Exact mode's result does not depend on chunking either: the fan-out's n_batch=64
@@ -117,6 +120,7 @@ def test_branches_generate_real_answers(smol):
         assert b.activation_ms > 0 and b.ready_ms > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["shared", "copy"])
 def test_watermark_branch_starts_early_and_matches_plain_run(smol, mode):
     half = 100
@@ -133,6 +137,7 @@ def test_watermark_branch_starts_early_and_matches_plain_run(smol, mode):
     assert late.token_ids == base.branches[1].token_ids
 
 
+@pytest.mark.slow
 def test_sampling_settings_are_per_branch(smol):
     sp = [BranchSpec("What is this document?", max_tokens=12, temp=0.9, seed=7),
           BranchSpec("What is this document?", max_tokens=12)]
@@ -175,6 +180,7 @@ def test_a_timed_out_fanout_leaves_no_decode_running(smol, mode):
     assert out.branches[0].token_ids            # the model is still usable
 
 
+@pytest.mark.slow
 def test_shared_mode_honours_n_ctx_and_headroom_and_reports_its_context(smol):
     big = run_fanout(smol, DOC, specs(QUESTIONS[:2], max_tokens=4), n_ctx=4096, **FANOUT)
     assert big.n_ctx == 4096                      # was: a context sized from the cells, 4096 reported

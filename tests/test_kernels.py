@@ -125,9 +125,9 @@ def test_gpu_check_dry_run_runs_every_step_that_needs_no_gpu(tmp_path):
     fanout = json.loads((tmp_path / "fanout.json").read_text())
     assert [(r["mode"], r["n"]) for r in fanout["runs"]] == [("shared", 1), ("copy", 1), ("shared", 4), ("copy", 4)]
     assert all(r["generated_tokens"] > 0 and r["total_ms"] > 0 for r in fanout["runs"])
-    assert fanout["build"]["llama_cpp_commit"] and fanout["settings"]["doc_tokens"] == 128
+    assert fanout["build"]["llama_cpp_commit"] and fanout["settings"]["options"]["doc_tokens"] == 128
     exact = json.loads((tmp_path / "fanout_exact.json").read_text())
-    assert exact["exact_shared_equals_copy"] is True and exact["settings"]["exact"] is True
+    assert exact["exact_shared_equals_copy"] is True and exact["settings"]["options"]["exact"] is True
 
 
 def test_without_gpu_or_simulator_says_what_to_do():
@@ -221,6 +221,7 @@ def test_checker_on_hand_written_schedules():
     assert any("may overwrite layer 0" in v for v in violations(racy))
 
 
+@pytest.mark.slow
 def test_balance_mode_reports_both_headlines():
     proc = demo(*SMALL, "--balance")
     assert proc.returncode == 0, proc.stderr

@@ -151,7 +151,7 @@ def test_crafted_ggufs_fail_in_the_sandbox_and_the_daemon_goes_on(daemon, files)
 
 
 @pytest.mark.slow
-def test_a_million_entry_vocabulary_is_bounded_by_the_sandbox(daemon, tmp):
+def test_a_huge_vocabulary_is_bounded_by_the_sandbox(daemon, tmp):
     import gguf
     path = tmp / "vocab.gguf"
     w = gguf.GGUFWriter(str(path), arch="llama")
@@ -160,7 +160,7 @@ def test_a_million_entry_vocabulary_is_bounded_by_the_sandbox(daemon, tmp):
                        (w.add_layer_norm_rms_eps, 1e-5)):
         add(value)
     w.add_tokenizer_model("llama")
-    w.add_token_list([""] * 900_000)
+    w.add_token_list([""] * 300_000)             # more than Gemma 3's 262k: gguf-py took 17 s on that
     w.add_tensor("token_embd.weight", np.zeros((4, 64), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -194,6 +194,7 @@ def test_agent_names_are_per_user_and_never_cross(daemon, files):
     as_user(VICTIM, daemon, "UNREGISTER x")
 
 
+@pytest.mark.slow
 def test_a_queued_decode_runs_in_its_owners_agent_only(daemon):
     """The race of finding 2: a DECODE waits in the queue while the name is re-registered
     by someone else; when its turn comes it looks up its owner's agent, not the name."""
@@ -217,6 +218,7 @@ def test_a_queued_decode_runs_in_its_owners_agent_only(daemon):
 
 
 # ---- 7: nothing in a reply tells one user about another's documents or agents -----------------
+@pytest.mark.slow
 def test_replies_carry_no_other_users_facts(daemon, files):
     doc = files["doc"]
     (reg_v, dec_v) = as_user(VICTIM, daemon, ("REGISTER v smollm2-135m n_ctx=1024 prefix=@fd", [doc]),
@@ -316,13 +318,13 @@ def test_one_byte_at_a_time_does_not_defeat_the_idle_timeout(tmp):
 
 @pytest.mark.slow
 def test_turns_go_round_robin_and_a_long_decode_yields(tmp, files):
-    """Mallory queues three long DECODEs; the victim's short one, sent after them, finishes
+    """Mallory queues two long DECODEs; the victim's short one, sent after them, finishes
     while Mallory's first is still running (it yields after each slice), and a DECODE
     that yielded gives the tokens it gives alone (exact mode: prefix agents)."""
     doc = files["doc"]
     with Daemon(own_tmp(tmp, "r"), "--allow-uid", str(MALLORY), "--allow-uid", str(VICTIM)) as d:
-        setup = [("REGISTER solo smollm2-135m n_ctx=1024 prefix=@fd", [doc]), "DECODE solo 150 List every right:"]
-        for i in range(3):
+        setup = [("REGISTER solo smollm2-135m n_ctx=1024 prefix=@fd", [doc]), "DECODE solo 96 List every right:"]
+        for i in range(2):
             setup.append((f"REGISTER m{i} smollm2-135m n_ctx=1024 prefix=@fd", [doc]))
         alone = as_user(MALLORY, d, *setup)[1]
         assert last(alone) == "OK done"
@@ -330,21 +332,21 @@ def test_turns_go_round_robin_and_a_long_decode_yields(tmp, files):
         texts: dict[str, list[str]] = {}
 
         def mallory(i):
-            texts[f"m{i}"] = as_user(MALLORY, d, f"DECODE m{i} 150 List every right:")[0]
+            texts[f"m{i}"] = as_user(MALLORY, d, f"DECODE m{i} 96 List every right:")[0]
             done[f"m{i}"] = time.monotonic()
-        threads = [threading.Thread(target=mallory, args=(i,)) for i in range(3)]
+        threads = [threading.Thread(target=mallory, args=(i,)) for i in range(2)]
         for t in threads:
             t.start()
             time.sleep(0.3)
-        eventually(lambda: int(d.client().status()["fields"]["decode_queue"]) >= 2, what="Mallory's queue")
+        eventually(lambda: int(d.client().status()["fields"]["decode_queue"]) >= 1, what="Mallory's queue")
         v = as_user(VICTIM, d, "REGISTER v smollm2-135m n_ctx=256", "DECODE v 8 Hello")
         done["victim"] = time.monotonic()
         for t in threads:
             t.join(timeout=400)
         assert last(v[1]) == "OK done"
-        assert done["victim"] < min(done[f"m{i}"] for i in range(3)), done
+        assert done["victim"] < min(done[f"m{i}"] for i in range(2)), done
         body = lambda r: r[r.index("BEGIN_RESPONSE"):]    # noqa: E731
-        for i in range(3):
+        for i in range(2):
             assert body(texts[f"m{i}"]) == body(alone), i
 
 

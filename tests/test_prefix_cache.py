@@ -26,6 +26,7 @@ def answers(result):
     return [b.token_ids for b in result.branches]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["shared", "copy"])
 def test_second_run_restores_and_answers_the_same(smol, tmp_path, mode):
     cache = PrefixCache(tmp_path / "c", boundary=128)
@@ -39,6 +40,7 @@ def test_second_run_restores_and_answers_the_same(smol, tmp_path, mode):
     assert answers(warm) == answers(cold) == answers(nocache)
 
 
+@pytest.mark.slow
 def test_extended_document_restores_the_longest_shared_start(smol, tmp_path):
     """The restored start was chunked as the short document was, the cold run chunks the
     long one its own way: only exact mode (chunking-independent) promises equal answers."""
@@ -51,6 +53,7 @@ def test_extended_document_restores_the_longest_shared_start(smol, tmp_path):
     assert answers(longer) == answers(cold)
 
 
+@pytest.mark.slow
 def test_settings_that_change_the_kv_bytes_miss(smol, tmp_path):
     cache = PrefixCache(tmp_path / "c", boundary=128)
     run_fanout(smol, DOC[:1200], QUESTIONS[:1], n_batch=128, cache=cache)
@@ -141,6 +144,7 @@ def test_four_processes_share_one_folder_without_corrupt_reads(tmp_path):
     assert not list(tmp_path.glob(".*.snap.*"))               # no temporary files left
 
 
+@pytest.mark.slow
 def test_cli_cache_commands(smol, tmp_path):
     env = {**os.environ, "SWARMKV_PREFIX_CACHE": str(tmp_path / "c")}
     doc = tmp_path / "doc.txt"

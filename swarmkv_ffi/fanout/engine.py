@@ -10,8 +10,8 @@ from .config import FanoutConfig
 from .copy import add_copy_nodes
 from .dag import Dag
 from .plan import check_snapshot_document, plan_fanout
-from .types import MODES, BranchSpec, FanoutResult
 from .shared import Schedule, run_shared, together
+from .types import MODES, BranchSpec, FanoutResult
 
 
 def run_fanout(model: Model, document: str, specs: list[BranchSpec],

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..generate import Answer, Generation
 
-MODES = ("shared", "copy")
+MODES = ("shared", "copy")   # run_fanout(mode=...); run_baseline and Ray report "baseline", "ray"
 
 
 @dataclass
@@ -24,6 +24,7 @@ class BranchSpec:
 
 @dataclass
 class BranchResult:
+    """One branch's answer, its full prompt and its timings (see fanout/__init__.py)."""
     index: int
     question: str
     n_prefix_used: int
