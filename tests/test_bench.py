@@ -20,7 +20,7 @@ from swarmkv_ffi.cli import BENCHMARKS
 def test_fanout_bench_smoke(tmp_path):
     rc = fanout.main(["--doc-tokens", "100", "--n-ctx", "384", "--trials", "2", "--runs", "2:1",
                       "--sweeps", "branches,doc-length,decode", "--sweep-ns", "1,2", "--doc-lengths", "80",
-                      "--decode-n", "2", "--baseline-max-n", "1", "--out", str(tmp_path)])
+                      "--decode-n", "2", "--sweep-gen", "4", "--baseline-max-n", "1", "--out", str(tmp_path)])
     assert rc == 0
     report = json.loads((tmp_path / "best_run.json").read_text())
     comp = report["comparisons"][0]

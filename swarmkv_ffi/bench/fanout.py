@@ -257,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-ns", default="1,2,4,8,16", help="N values for the branches sweep")
     p.add_argument("--doc-lengths", default="512,1024,2048,3500,8192", help="lengths for the doc-length sweep")
     p.add_argument("--decode-n", type=int, default=16, help="N for the batched-vs-serialised sweep (default: 16)")
+    p.add_argument("--sweep-gen", type=int, default=32,
+                   help="tokens per branch in the branches and decode sweeps (default: 32)")
     p.add_argument("--baseline-max-n", type=int, default=2, help="largest N the branches sweep runs the baseline for")
     add_threads(p)
     p.add_argument("--out", default=None, help="output folder (default: bench/results/<cpu>-<date>)")
@@ -288,11 +290,12 @@ def main(argv: list[str] | None = None) -> int:
         write_trials_csv(out / "all_trials.csv", report["comparisons"])
         checkpoint()
     if "decode" in sweeps:
-        report["sweep_decode"] = sweep_decode(model, document, cfg, n=args.decode_n)
+        report["sweep_decode"] = sweep_decode(model, document, cfg, n=args.decode_n, gen=args.sweep_gen)
         checkpoint()
     if "branches" in sweeps:
         report["sweep_branches"] = sweep_branches(
-            model, document, cfg, ns=[int(x) for x in args.sweep_ns.split(",")], baseline_max_n=args.baseline_max_n)
+            model, document, cfg, ns=[int(x) for x in args.sweep_ns.split(",")], gen=args.sweep_gen,
+            baseline_max_n=args.baseline_max_n)
         checkpoint()
     if "doc-length" in sweeps:
         report["sweep_doc_length"] = sweep_doc_length(model, cfg, [int(x) for x in args.doc_lengths.split(",")])
