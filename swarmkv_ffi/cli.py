@@ -286,6 +286,7 @@ BENCHMARKS = {
     "ray": ("ray", "local copy mode vs Ray (one node, two actors)"),
     "conductor": ("conductor", "lmxd: KV swap vs re-prefill, STATUS latency under load"),
     "multiuser": ("multiuser", "lmxd: one user's latency while another floods it (needs root)"),
+    "agents": ("agents", "lmxd: N agents of one model at once vs llama-server -np N --kv-unified"),
 }
 
 

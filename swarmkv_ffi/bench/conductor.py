@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -25,6 +24,7 @@ from ..catalog import DEFAULT_MODEL, resolve
 from ..context import Context
 from ..model import Model
 from ..snapshot import Snapshot
+from .daemon import start_lmxd, stop_lmxd
 from .measure import cpu_name, document_of, settings_of, write_result
 
 
@@ -64,18 +64,8 @@ def status_latency(model_name: str, clients: int, seconds: float, decoders: int)
     from ..conductor.client import LmxClient
     tmp = Path(tempfile.mkdtemp(prefix="lmxd-bench-"))
     sock = tmp / "lmx.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "swarmkv_ffi.conductor.server", "--socket", str(sock)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_lmxd(sock)
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                LmxClient(str(sock), timeout=5).close()
-                break
-            except Exception:
-                if time.time() > deadline or proc.poll() is not None:
-                    raise RuntimeError("lmxd did not start")
-                time.sleep(0.05)
         with LmxClient(str(sock)) as c:
             for k in range(decoders):
                 c.register(f"d{k}", model_name, n_ctx=1024)
@@ -111,8 +101,7 @@ def status_latency(model_name: str, clients: int, seconds: float, decoders: int)
         for t in threads:
             t.join(timeout=120)
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop_lmxd(proc)
     q = np.percentile(latencies, [50, 95, 99]) if latencies else [float("nan")] * 3
     return {"clients": clients, "decoders": decoders, "seconds": seconds, "requests": len(latencies),
             "decodes_completed": decodes[0], "p50_ms": float(q[0]), "p95_ms": float(q[1]),

@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .daemon import start_lmxd, stop_lmxd
 from .measure import report_json, settings_of
 
 SYSTEM_PYTHON = "/usr/bin/python3"   # the venv may be unreadable to the other uids
@@ -134,18 +135,11 @@ def summary(lat: list[float]) -> dict:
 
 
 def start_daemon(sock: Path, args) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "swarmkv_ffi.conductor.server", "--socket", str(sock),
-           "--allow-uid", str(args.victim_uid), "--allow-uid", str(args.hostile_uid),
-           "--swap-budget-bytes", str(args.swap_budget_bytes)]
+    flags = ["--allow-uid", str(args.victim_uid), "--allow-uid", str(args.hostile_uid),
+             "--swap-budget-bytes", str(args.swap_budget_bytes)]
     if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(sock.parent / "lmxd.log", "w"))
-    deadline = time.time() + 60
-    while not sock.exists():
-        if proc.poll() is not None or time.time() > deadline:
-            raise RuntimeError(f"lmxd did not start: {(sock.parent / 'lmxd.log').read_text()[-2000:]}")
-        time.sleep(0.05)
-    return proc
+        flags += ["--threads", str(args.threads)]
+    return start_lmxd(sock, *flags, log=sock.parent / "lmxd.log")
 
 
 def victim_run(sock: Path, args) -> dict:
@@ -188,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         hostile_out, _ = hostile.communicate(timeout=30)
         alive = daemon.poll() is None
     finally:
-        daemon.terminate()
-        daemon.wait(timeout=60)
+        stop_lmxd(daemon)
         log_tail = (tmp / "lmxd.log").read_text()[-4000:]
         if os.environ.get("SWARMKV_KEEP_LOG"):
             shutil.copy(tmp / "lmxd.log", os.environ["SWARMKV_KEEP_LOG"])
