@@ -71,11 +71,13 @@ def test_every_benchmark_runs_under_swarmkv_bench(name, capsys):
     assert f"swarmkv bench {name}" in capsys.readouterr().out
 
 
-def test_peer_bench_without_llama_server_says_how_to_build_it(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "swarmkv_ffi.cli", "bench", "peer", "--server",
+@pytest.mark.parametrize("name", ["peer", "agents"])
+def test_a_bench_without_llama_server_says_how_to_build_it(tmp_path, name):
+    proc = subprocess.run([sys.executable, "-m", "swarmkv_ffi.cli", "bench", name, "--server",
                            str(tmp_path / "llama-server"), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
+    assert f"swarmkv bench {name}: {tmp_path / 'llama-server'} not found" in proc.stderr
     assert "./build_llama.sh --tools" in proc.stderr
 
 

@@ -22,10 +22,10 @@ import threading
 import time
 from pathlib import Path
 
-from .. import catalog, library
+from .. import catalog
 from .daemon import start_lmxd, stop_lmxd
 from .measure import report_json, settings_of
-from .peer import Server
+from .peer import Server, server_binary
 
 ANIMALS = ["fox", "owl", "whale", "tiger", "crow", "otter", "moth", "bear",
            "heron", "lynx", "eel", "wolf", "hare", "seal", "wren", "toad"]
@@ -110,10 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama-server binary (default: the stock one from ./build_llama.sh --tools)")
     ap.add_argument("--out", type=Path, default=None, help="folder for agents.json")
     args = ap.parse_args(argv)
-    args.server = args.server or library.tool_path("llama-server")
-    if not args.server.exists():
-        print(f"swarmkv bench agents: {args.server} not found; build it with ./build_llama.sh --tools",
-              file=sys.stderr)
+    args.server = server_binary(args.server, "swarmkv bench agents")
+    if args.server is None:
         return 2
     args.model_path = catalog.resolve(args.model)
     rows = []

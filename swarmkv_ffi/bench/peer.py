@@ -54,6 +54,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_binary(given: Path | None, prog: str) -> Path | None:
+    """The llama-server to compare with: `given`, or the stock one `./build_llama.sh
+    --tools` built; None (after saying how to build it) when it is not there."""
+    path = given or library.tool_path("llama-server")
+    if not path.exists():
+        print(f"{prog}: {path} not found; build it with ./build_llama.sh --tools", file=sys.stderr)
+        return None
+    return path
+
+
 class Server:
     """llama-server on a free local port, with its defaults plus model, threads, port."""
 
@@ -222,10 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.runs) - set(RUNS))
     if unknown or not any(r.startswith("ours_") for r in args.runs):
         ap.error(f"--runs: unknown {unknown}; choose from {','.join(RUNS)}, at least one ours_*")
-    args.server = args.server or library.tool_path("llama-server")
-    if not args.server.exists():
-        print(f"swarmkv bench peer: {args.server} not found; build it with ./build_llama.sh --tools",
-              file=sys.stderr)
+    args.server = server_binary(args.server, "swarmkv bench peer")
+    if args.server is None:
         return 2
     args.model_path = catalog.resolve(args.model)
     ns, gens = [int(x) for x in args.n.split(",")], [int(x) for x in args.gen.split(",")]
