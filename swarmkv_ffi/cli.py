@@ -135,9 +135,7 @@ def cmd_fanout(args) -> int:
             result = _fanout_local(args, model, document, specs, snapshot_in)
     if args.json:
         print(json.dumps({**result.to_dict(), "document": str(doc_path), "snapshot_out": args.snapshot_out,
-                          "settings": {"mode": args.mode if args.ray is None else "ray",
-                                       **_fanout_config(args).as_dict()},
-                          "build": library.build_info()}, indent=2))
+                          "settings": _settings(args), "build": library.build_info()}, indent=2))
     else:
         _print_fanout(result, args)
     return 0
@@ -158,6 +156,16 @@ def _fanout_local(args, model, document, specs, snapshot_in):
     if args.snapshot_out:
         saved[0].save(args.snapshot_out)
     return result
+
+
+def _settings(args) -> dict:
+    """What a fan-out ran with, for its JSON: the mode and its FanoutConfig, threads
+    resolved (all of this machine's CPUs locally, one per actor on Ray, unless --threads)."""
+    import os
+    config = _fanout_config(args).as_dict()
+    if config["n_threads"] is None:
+        config["n_threads"] = (os.cpu_count() or 1) if args.ray is None else 1
+    return {"mode": args.mode if args.ray is None else "ray", **config}
 
 
 def _fanout_config(args):
@@ -348,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exact", action="store_true",
                    help="batch-invariant kernels: every branch's tokens and logits equal a plain "
                         "run's (one context, one token per decode) bit for bit, whatever the "
-                        "number of branches; CPU backend only, slower (see README, 'Exact mode')")
+                        "number of branches; CPU backend only, slower (docs/exact-mode.md)")
     p.add_argument("--flash-attn", default=FanoutConfig.flash_attn, choices=["on", "off", "auto"],
                    help="flash attention (default: on; --exact needs it)")
     p.add_argument("--threads", type=int, default=None, metavar="N",

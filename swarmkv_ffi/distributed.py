@@ -92,7 +92,8 @@ def run_fanout_ray(model_path: str, document: str, specs, *, address: str | None
     if use_gpu is None:
         use_gpu = bool(r.cluster_resources().get("GPU", 0))
     resources = {"num_gpus": 1} if use_gpu else {"num_cpus": cpus_per_actor}
-    opts.setdefault("n_threads", cpus_per_actor)
+    if opts.get("n_threads") is None:      # None or absent: the CPUs each worker was granted
+        opts["n_threads"] = cpus_per_actor
     opts = FanoutConfig.of(**opts).as_dict()  # checked here, not on a worker
     t0 = time.perf_counter_ns()
 

@@ -79,6 +79,13 @@ def test_fanout_json_and_snapshot_roundtrip(short_doc, tmp_path):
     assert [b["token_ids"] for b in again["branches"]] == [b["token_ids"] for b in first["branches"]]
 
 
+def test_fanout_json_resolves_the_threads_it_used(short_doc):
+    import os
+    out = json.loads(swarmkv("fanout", "--doc", str(short_doc), "--ask", "What is this?", "--max-tokens", "2",
+                             "--no-cache", "--json").stdout)
+    assert out["settings"]["n_threads"] == os.cpu_count() and out["settings"]["mode"] == "shared"
+
+
 def test_fanout_text_output(short_doc):
     out = swarmkv("fanout", "--doc", str(short_doc), "--ask", "What is this?", "--max-tokens", "4",
                   "--no-cache").stdout
