@@ -161,11 +161,9 @@ def _fanout_local(args, model, document, specs, snapshot_in):
 def _settings(args) -> dict:
     """What a fan-out ran with, for its JSON: the mode and its FanoutConfig, threads
     resolved (all of this machine's CPUs locally, one per actor on Ray, unless --threads)."""
-    import os
-    config = _fanout_config(args).as_dict()
-    if config["n_threads"] is None:
-        config["n_threads"] = (os.cpu_count() or 1) if args.ray is None else 1
-    return {"mode": args.mode if args.ray is None else "ray", **config}
+    config = _fanout_config(args)
+    threads = config.threads if args.ray is None else config.n_threads or 1
+    return {"mode": args.mode if args.ray is None else "ray", **config.as_dict(), "n_threads": threads}
 
 
 def _fanout_config(args):

@@ -7,8 +7,8 @@ in one decode, then one token per llama_decode. Shared mode must reproduce its t
 and the digest of every row of logits it sampled from (exact.digest: raw float32
 bytes). One N = 16 run whose branches stop at different lengths passes through (nearly)
 every live-branch count from 16 down to 1, so it covers what runs at N = 1, 2, 3, 8 would;
-greedy, and at N = 8 with temperature sampling and fixed seeds. SmolLM2 reads a document of more than 3,000
-tokens; Gemma 3 a 1,200-token one, past its 512-token sliding window.
+greedy, and at N = 8 with temperature sampling and fixed seeds. SmolLM2 reads a document
+of more than 3,000 tokens; Gemma 3 a 1,200-token one, past its 512-token sliding window.
 """
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 
 Copy mode must be bit-identical to a plain run (same chunks, fresh context). Shared mode
 batches branches together: in exact mode it is bit-identical too (tests/test_exact.py
-asserts every logit of every token; here: against an unchunked loop); in the fast default it may round differently, which we report, requiring
-only the first token everywhere (it is sampled before any branch decodes beside another).
+asserts every logit of every token; here: against an unchunked loop); in the fast default
+it may round differently, which we report, requiring only the first token everywhere (it
+is sampled before any branch decodes beside another).
 One anchor sits outside our own loops: a greedy decode of each branch's whole prompt in a
 single llama_decode, written here against Context.
 """

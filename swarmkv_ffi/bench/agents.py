@@ -18,13 +18,12 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from .. import catalog
 from .daemon import start_lmxd, stop_lmxd
-from .measure import report_json, settings_of
+from .measure import at_once, report_json, settings_of
 from .peer import Server, server_binary
 
 ANIMALS = ["fox", "owl", "whale", "tiger", "crow", "otter", "moth", "bear",
@@ -35,21 +34,6 @@ def prompts(n: int) -> list[str]:
     """N different one-line story openings."""
     return [f"Once upon a time, a {ANIMALS[i % len(ANIMALS)]} number {i + 1} found a map that"
             for i in range(n)]
-
-
-def at_once(calls) -> tuple[float, list]:
-    """Run every call in its own thread, started together; wall ms and their results."""
-    out = [None] * len(calls)
-
-    def one(i):
-        out[i] = calls[i]()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return (time.perf_counter() - t0) * 1e3, out
 
 
 def lmxd_run(args, texts: list[str]) -> dict:
@@ -84,13 +68,7 @@ def server_run(args, texts: list[str], concurrent: bool) -> dict:
     server = Server(args.server, args.model_path, args.threads,
                     ["-np", str(len(texts)), "--kv-unified", "-c", str(args.n_ctx * len(texts))])
     try:
-        calls = [lambda p=p: server.complete(p, args.gen) for p in texts]
-        if concurrent:
-            wall, replies = at_once(calls)
-        else:
-            t0 = time.perf_counter()
-            replies = [c() for c in calls]
-            wall = (time.perf_counter() - t0) * 1e3
+        wall, replies = server.completions(texts, args.gen, concurrent)
     finally:
         server.close()
     return {"total_ms": wall, "mean_reply_ms": statistics.mean(r["wall_ms"] for r in replies),

@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cfg = FanoutBench(model=args.model, doc_tokens=args.doc_tokens, trials=args.trials, out=str(out),
                       fanout=FanoutConfig(n_ctx=args.n_ctx, kv_type=args.kv_type, n_threads=args.threads),
-                 runs=[tuple(int(x) for x in r.split(":")) for r in args.runs.split(",") if r])
+                      runs=[tuple(int(x) for x in r.split(":")) for r in args.runs.split(",") if r])
     sweeps = set() if args.sweeps == "none" else set(args.sweeps.split(","))
     model = Model(resolve(cfg.model))
     document = document_of(model, cfg.doc_tokens)

@@ -53,6 +53,21 @@ def document_of(model, n_tokens: int, source: str | None = None) -> str:
     return model.detokenize(np.tile(tokens, repeats)[:n_tokens])
 
 
+def at_once(calls) -> tuple[float, list]:
+    """Run every call in its own thread, started together; wall ms and their results."""
+    out = [None] * len(calls)
+
+    def one(i):
+        out[i] = calls[i]()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return (time.perf_counter() - t0) * 1e3, out
+
+
 def decode_tps(res) -> float:
     """A fan-out's generated tokens per second after its prefill (branch prompts included)."""
     tokens = sum(len(b.token_ids) for b in res.branches)
@@ -115,7 +130,7 @@ def settings_of(args, config=None) -> dict:
     fan-out settings (FanoutConfig) it ran with, threads resolved to the number used."""
     out = {"options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     if config is not None:
-        out["fanout"] = {**config.as_dict(), "n_threads": config.n_threads or os.cpu_count() or 1}
+        out["fanout"] = {**config.as_dict(), "n_threads": config.threads}
     return out
 
 

@@ -26,7 +26,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -34,7 +33,7 @@ from pathlib import Path
 from .. import catalog, library
 from ..fanout import BranchSpec, FanoutConfig, run_fanout
 from ..model import Model
-from .measure import document_of, settings_of, write_result
+from .measure import at_once, document_of, settings_of, write_result
 
 QUESTIONS = ["What is this document about?", "Who may use the work?", "What must be kept in copies?",
              "What is excluded?", "Can I sell copies?", "What happens if I sue?", "What is a Contribution?",
@@ -100,6 +99,15 @@ class Server:
         out["wall_ms"] = (time.perf_counter() - t0) * 1e3
         return out
 
+    def completions(self, prompts: list[str], n_predict: int, concurrent: bool) -> tuple[float, list[dict]]:
+        """Every prompt completed, all at once or one after another: wall ms and the replies."""
+        calls = [lambda p=p: self.complete(p, n_predict) for p in prompts]
+        if concurrent:
+            return at_once(calls)
+        t0 = time.perf_counter()
+        replies = [c() for c in calls]
+        return (time.perf_counter() - t0) * 1e3, replies
+
     def close(self) -> None:
         self.proc.terminate()
         try:
@@ -116,20 +124,7 @@ def server_runs(args, prompts: list[str], gen: int) -> dict:
             continue
         server = Server(args.server, args.model_path, args.threads, args.server_args)
         try:
-            t0 = time.perf_counter()
-            if concurrent:
-                replies = [None] * len(prompts)
-
-                def one(i):
-                    replies[i] = server.complete(prompts[i], gen)
-                threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-            else:
-                replies = [server.complete(p, gen) for p in prompts]
-            total = (time.perf_counter() - t0) * 1e3
+            total, replies = server.completions(prompts, gen, concurrent)
         finally:
             server.close()
         out[name] = {"total_ms": total, "prefill_ms": replies[0]["timings"]["prompt_ms"],

@@ -46,9 +46,8 @@ def main(argv=None) -> int:
         document = document_of(model, args.doc_tokens)
         # Local copy mode gets as many threads as the Ray side's actors have CPUs together.
         config = FanoutConfig(n_threads=args.actors)
-        local = run_fanout(model, document, specs, config, mode="copy", cache=False)
         saved = []
-        run_fanout(model, document, specs[:1], mode="copy", snapshot_out=saved.append, cache=False)
+        local = run_fanout(model, document, specs, config, mode="copy", snapshot_out=saved.append, cache=False)
     ray.init(num_cpus=args.actors + 1, include_dashboard=False, log_to_driver=False)
     blob = np.frombuffer(saved[0].to_bytes(), dtype=np.uint8)
     t = time.perf_counter_ns()

@@ -5,6 +5,7 @@ new setting (or a changed default) reaches all of them at once.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, fields, replace
 
 from ..context import FLASH_ATTN, KV_TYPES
@@ -49,6 +50,11 @@ class FanoutConfig:
         if self.exact and self.flash_attn == "off":
             raise ValueError("exact mode needs flash attention (its reference kernel skips other "
                              "sequences' cells); flash_attn='off' cannot be exact")
+
+    @property
+    def threads(self) -> int:
+        """The CPU threads contexts get: n_threads, or all of this machine's CPUs."""
+        return self.n_threads or os.cpu_count() or 1
 
     @property
     def attention(self) -> str:

@@ -66,14 +66,11 @@ class Plan:
     def params(self, n_ctx: int, n_seq_max: int = 1, n_batch: int | None = None) -> ContextParams:
         c = self.config
         # Forks see the whole shared prefix, so sliding-window layers keep a full cache.
-        params = ContextParams(n_ctx=n_ctx, n_batch=n_batch or c.n_batch,
-                               n_ubatch=min(c.n_batch, 512), n_seq_max=n_seq_max,
-                               kv_unified=True, swa_full=self.model.n_swa > 0,
-                               type_k=c.kv_type, type_v=c.kv_type, flash_attn=c.attention,
-                               batch_invariant=c.exact)
-        if c.n_threads:
-            params.n_threads = c.n_threads
-        return params
+        return ContextParams(n_ctx=n_ctx, n_batch=n_batch or c.n_batch,
+                             n_ubatch=min(c.n_batch, 512), n_seq_max=n_seq_max,
+                             kv_unified=True, swa_full=self.model.n_swa > 0,
+                             type_k=c.kv_type, type_v=c.kv_type, flash_attn=c.attention,
+                             batch_invariant=c.exact, n_threads=c.threads)
 
     def result(self, i: int) -> BranchResult:
         w = self.watermarks[i]
