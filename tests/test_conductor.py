@@ -66,7 +66,8 @@ def test_decode_reply_has_the_spec_shape(daemon, agents):
     assert re.fullmatch(r"OK prompt_tokens=\d+ generated_tokens=\d+ stopped_on_eos=(true|false)", lines[2])
     assert re.fullmatch(r"OK elapsed_ms=\d+\.\d+", lines[3])
     assert re.fullmatch(r"OK kv_swap_evicted=\S+ kv_swap_restored=(true|false)", lines[4])
-    assert re.fullmatch(r"OK queued_ms=\d+\.\d+ swap_ms=\d+\.\d+ slices=\d+", lines[5])
+    assert re.fullmatch(r"OK queued_ms=\d+\.\d+ swap_ms=\d+\.\d+ slices=\d+ batch=\d+ prefix_forked=(true|false)",
+                        lines[5])
     assert lines[6] == "BEGIN_RESPONSE" and "END_RESPONSE" in lines and lines[-1] == "OK done"
 
 

@@ -10,6 +10,7 @@ import os
 import resource
 import shutil
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -251,7 +252,7 @@ def test_a_paused_agent_that_does_not_fit_the_swap_budget_keeps_its_tokens(tmp_p
     with Daemon(tmp_path, "--swap-budget-bytes", "1000") as d:
         with d.client() as c:
             c.register("s1", "smollm2-135m", n_ctx=256)
-            c.register("s2", "smollm2-135m", n_ctx=256)
+            c.register("s2", "gemma3-270m", n_ctx=256)   # another model: s1's pool is paused
             first = c.decode("s1", 4, "Hello")
             c.decode("s2", 2, "Hi")                  # s1's KV does not fit 1000 bytes
             s1 = next(a for a in c.list() if a["agent_id"] == "s1")
@@ -278,6 +279,8 @@ def test_idle_agents_expire(tmp_path):
 
 # ---- failure atomicity: a libllama failure in the middle of a DECODE (in process) ----------
 def test_a_failed_decode_rolls_back_and_other_agents_keep_working(monkeypatch):
+    """llama_decode fails in a step that holds two agents' DECODEs: both are rolled back
+    (their cells and histories as before), both get the error, and both work after."""
     from swarmkv_ffi.conductor.agents import Conductor
     from swarmkv_ffi.conductor.ledger import Ledger
     from swarmkv_ffi.context import Context
@@ -288,22 +291,38 @@ def test_a_failed_decode_rolls_back_and_other_agents_keep_working(monkeypatch):
         c.register("a", "smollm2-135m", n_ctx=512)
         c.register("b", "smollm2-135m", n_ctx=512)
         c.decode("a", 4, "Hello")
-        history = list(c.get("a").history)
-        real, calls = Context.decode, {"n": 0}
+        c.decode("b", 4, "Hi there")
+        before = {n: list(c.get(n).history) for n in "ab"}
+        real, calls, gate = Context.decode, {"n": 0}, threading.Barrier(2)
 
         def failing(self, batch):
             calls["n"] += 1
-            if calls["n"] == 3:
+            if calls["n"] == 4:
                 raise DecodeFailedError("injected llama_decode failure", -3)
             return real(self, batch)
         monkeypatch.setattr(Context, "decode", failing)
-        with pytest.raises(DecodeFailedError):
-            c.decode("a", 8, "Tell me more")
+        errors = {}
+
+        def ask(name):
+            gate.wait()
+            try:
+                c.decode(name, 8, "Tell me more")
+            except DecodeFailedError as exc:
+                errors[name] = exc
+        threads = [threading.Thread(target=ask, args=(n,)) for n in "ab"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
         monkeypatch.setattr(Context, "decode", real)
-        agent, ctx = c.live
-        assert agent.id == "a" and agent.history == history
-        assert ctx.seq_pos_max(0) == len(history) - 1      # no cells past the history
-        assert c.decode("b", 3, "Hi there").generated_tokens >= 1   # another agent works
+        assert set(errors) == {"a", "b"}, errors
+        pool = c.scheduler.live
+        for name in "ab":
+            agent = c.get(name)
+            assert agent.history == before[name] and agent.pending is not None
+            seat = pool.seat_of(agent)   # no cells past the history
+            assert pool.ctx.seq_pos_max(seat.seq) == len(before[name]) - 1 == seat.kv_len - 1
+        assert c.decode("b", 3, "Hi there").generated_tokens >= 1
         assert c.decode("a", 3, "Tell me more").generated_tokens >= 1
     finally:
         c.close()
@@ -346,7 +365,6 @@ def test_own_gpu_memory_is_not_counted_twice_in_a_pid_namespace(monkeypatch):
 def test_concurrent_first_use_assembles_a_model_once_and_never_half(tmp_path):
     """Two threads (or processes) resolving gemma3-270m for the first time: one assembles
     into a temporary name and renames; the other waits and reuses it."""
-    import threading
     from types import SimpleNamespace
 
     from swarmkv_ffi.catalog import _assemble_once
@@ -392,7 +410,6 @@ def test_every_booking_is_checked_against_the_cap():
 def test_memory_says_why_it_budgets_host_ram_and_when_a_refresh_fails(monkeypatch, caplog):
     """No silent fallback and no silently stale figures (they were swallowed before)."""
     import sys
-    import threading
     from types import SimpleNamespace
 
     from swarmkv_ffi.conductor.memory import DeviceMemory

@@ -1,10 +1,12 @@
 """lmxd agents that start from one document (REGISTER prefix=@fd): the document is
-prefilled once for all of them, paused agents keep no KV of their own (one host copy of
-the document, rebuilt conversations), and a conversation rebuilt after a pause continues
-exactly as one that never paused."""
+prefilled once for all of them and its cells are shared in their pool, paused agents keep
+no KV of their own (one host copy of the document, rebuilt conversations), a conversation
+rebuilt after a pause continues exactly as one that never paused, and agents decoded
+together give the tokens they give alone (exact mode)."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -48,23 +50,26 @@ def test_eight_agents_share_one_prefill_and_one_host_copy(tmp_path, doc):
         for i in range(8):
             r = c.register(f"a{i}", "smollm2-135m", n_ctx=1024, prefix=str(doc))["fields"]
             assert r["prefix_agents"] == str(i + 1) and int(r["prefix_tokens"]) > 200
+        c.register("plain", "smollm2-135m", n_ctx=256)
         first = [ask(c, f"a{i}", QUESTIONS[i % 4]) for i in range(8)]
-        # the first agent prefilled the document; the other seven restored it
-        assert [f["fields"]["kv_swap_restored"] for f in first] == ["false"] + ["true"] * 7
+        # the first agent prefilled the document; the other seven share its cells
+        assert all(f["fields"]["prefix_forked"] == "true" for f in first)
+        assert all(f["fields"]["kv_swap_evicted"] == "-" for f in first)
         status = c.status()
         (prefix,) = fields(status, "prefix")
         assert prefix["agents"] == "8" and int(prefix["host_bytes"]) > 0
-        # 7 agents are paused with a conversation, and hold no KV of their own
-        swapped = int(status["fields"]["swap_allocated_bytes"])
-        assert swapped == int(prefix["host_bytes"])
+        assert int(status["fields"]["swap_allocated_bytes"]) == int(prefix["host_bytes"])
+        assert all(a["state"] == "active" for a in c.list() if a["agent_id"] != "plain")
+        # another pool (a plain agent) pauses all eight: none keeps KV of its own
+        c.decode("plain", 2, "Hi")
         paused = [a for a in c.list() if a["state"] == "suspended"]
-        assert len(paused) == 7 and all(a["kv_host_bytes"] == "0" for a in paused)
+        assert len(paused) == 8 and all(a["kv_host_bytes"] == "0" for a in paused)
         # a second question to each: every conversation is rebuilt from the shared copy
-        for i in range(8):
-            ask(c, f"a{i}", "And in one word?")
+        again = [ask(c, f"a{i}", "And in one word?") for i in range(8)]
+        assert again[0]["fields"]["kv_swap_restored"] == "true"
         assert int(c.status()["fields"]["swap_allocated_bytes"]) <= 1.5 * int(prefix["host_bytes"])
-        for i in range(8):
-            c.unregister(f"a{i}")
+        for name in [f"a{i}" for i in range(8)] + ["plain"]:
+            c.unregister(name)
         status = c.status()
         assert fields(status, "prefix") == [] and int(status["fields"]["swap_allocated_bytes"]) == 0
 
@@ -73,10 +78,11 @@ def test_eight_agents_share_one_prefill_and_one_host_copy(tmp_path, doc):
 @pytest.mark.fidelity
 def test_a_rebuilt_conversation_continues_like_one_that_never_paused(tmp_path, doc):
     with Daemon(tmp_path) as d, d.client() as c:
-        for name in ("paused", "other", "steady"):
+        for name in ("paused", "steady"):
             c.register(name, "smollm2-135m", n_ctx=1024, prefix=str(doc))
+        c.register("plain", "smollm2-135m", n_ctx=256)
         a1 = ask(c, "paused", QUESTIONS[0])["text"]
-        ask(c, "other", QUESTIONS[1])                      # "paused" is swapped out here
+        c.decode("plain", 2, "Hi")                         # another pool: "paused" is paused here
         a2 = ask(c, "paused", QUESTIONS[2])                # rebuilt: document + its own tokens
         assert a2["fields"]["kv_swap_restored"] == "true"
         s1 = ask(c, "steady", QUESTIONS[0])["text"]
@@ -84,6 +90,34 @@ def test_a_rebuilt_conversation_continues_like_one_that_never_paused(tmp_path, d
         assert (a1, a2["text"]) == (s1, s2)
         c.reset("paused")                                  # back to the document, not to nothing
         assert ask(c, "paused", QUESTIONS[0])["text"] == a1
+
+
+@pytest.mark.slow
+@pytest.mark.fidelity
+def test_agents_decoded_together_give_the_tokens_they_give_alone(tmp_path, doc):
+    """Four agents over one document, each asked alone, then all at once with different
+    answer lengths (so the batch shrinks as they finish): the same tokens, and the
+    replies say they were batched."""
+    lengths = [6, 12, 18, 24]
+    with Daemon(tmp_path) as d, d.client() as c:
+        for i in range(4):
+            c.register(f"a{i}", "smollm2-135m", n_ctx=1024, prefix=str(doc))
+        alone = [c.decode(f"a{i}", n, f" Question: {QUESTIONS[i]} Answer:")["text"]
+                 for i, n in enumerate(lengths)]
+        for i in range(4):
+            c.reset(f"a{i}")
+        replies: dict[int, dict] = {}
+
+        def go(i):
+            with d.client() as own:
+                replies[i] = own.decode(f"a{i}", lengths[i], f" Question: {QUESTIONS[i]} Answer:")
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    assert [replies[i]["text"] for i in range(4)] == alone
+    assert max(int(replies[i]["fields"]["batch"]) for i in range(4)) >= 2, replies
 
 
 def test_bad_prefixes_are_refused_and_leave_nothing(tmp_path, doc):

@@ -197,10 +197,11 @@ def test_agent_names_are_per_user_and_never_cross(daemon, files):
 @pytest.mark.slow
 def test_a_queued_decode_runs_in_its_owners_agent_only(daemon):
     """The race of finding 2: a DECODE waits in the queue while the name is re-registered
-    by someone else; when its turn comes it looks up its owner's agent, not the name."""
+    by someone else; when its turn comes it looks up its owner's agent, not the name. (x is
+    of another model than busy, so it waits for busy's batch instead of joining it.)"""
     with daemon.client() as c:
         c.register("busy", "smollm2-135m", n_ctx=512)
-        c.register("x", "smollm2-135m", n_ctx=256)
+        c.register("x", "gemma3-270m", n_ctx=256)
     long_run, queued = queue_behind(daemon, b"DECODE busy 200 Count: 1, 2, 3,", b"DECODE x 4 Hello")
     (reg,) = as_user(MALLORY, daemon, "REGISTER x smollm2-135m n_ctx=256")
     assert last(reg) == "OK done"
@@ -318,9 +319,10 @@ def test_one_byte_at_a_time_does_not_defeat_the_idle_timeout(tmp):
 
 @pytest.mark.slow
 def test_turns_go_round_robin_and_a_long_decode_yields(tmp, files):
-    """Mallory queues two long DECODEs; the victim's short one, sent after them, finishes
-    while Mallory's first is still running (it yields after each slice), and a DECODE
-    that yielded gives the tokens it gives alone (exact mode: prefix agents)."""
+    """Mallory runs two long DECODEs in one batch; the victim's short one (another pool),
+    sent after them, finishes while both are still running (Mallory's batch gives the
+    device up after a slice), and a DECODE that gave way, batched, gives the tokens it
+    gives alone (exact mode: prefix agents)."""
     doc = files["doc"]
     with Daemon(own_tmp(tmp, "r"), "--allow-uid", str(MALLORY), "--allow-uid", str(VICTIM)) as d:
         setup = [("REGISTER solo smollm2-135m n_ctx=1024 prefix=@fd", [doc]), "DECODE solo 96 List every right:"]
@@ -338,7 +340,8 @@ def test_turns_go_round_robin_and_a_long_decode_yields(tmp, files):
         for t in threads:
             t.start()
             time.sleep(0.3)
-        eventually(lambda: int(d.client().status()["fields"]["decode_queue"]) >= 1, what="Mallory's queue")
+        eventually(lambda: len(d.client().status()["fields"]["decoding"].split(",")) == 2,
+                   what="Mallory's two DECODEs in one batch")
         v = as_user(VICTIM, d, "REGISTER v smollm2-135m n_ctx=256", "DECODE v 8 Hello")
         done["victim"] = time.monotonic()
         for t in threads:
@@ -355,7 +358,7 @@ def test_sigterm_cancels_the_queue_and_bounds_the_running_decode(tmp):
     d = Daemon(own_tmp(tmp, "t"), "--shutdown-grace", "1")
     with d.client() as c:
         c.register("a", "smollm2-135m", n_ctx=4200)
-        c.register("b", "smollm2-135m", n_ctx=256)
+        c.register("b", "gemma3-270m", n_ctx=256)      # another model: it waits for a's batch
     running, queued = queue_behind(d, b"DECODE a 4000 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", b"DECODE b 10 Hello")
     t0 = time.monotonic()
     d.proc.terminate()

@@ -1,18 +1,18 @@
-"""Agents, the one live compute context, and KV swap.
+"""Agents: registration under the ledger, their conversations, DECODE, RESET, KV swap.
 
-One context is live at a time. DECODE for agent B while agent A is
-live: A's KV state is captured into a host-RAM snapshot and its context freed; B's
-context is created and B's saved state (if any) restored. Each agent's conversation
-persists across DECODEs, so an interrupted conversation continues exactly where it was.
+Agents of one model decode together: they share one context (pool.py), a sequence each,
+and the scheduler (scheduler.py) steps all their DECODEs with one llama_decode per
+token. One pool is live at a time: serving an agent of another model pauses the live
+pool's agents (each sequence's KV captured into a host-RAM snapshot) and frees its
+context; their conversations continue exactly where they were when they come back.
 
 Agents belong to the uid that registered them and are named within it: two users may
 both have an agent `a`, and every lookup is by (uid, id) at the moment of use, so no
-request can reach another user's agent or learn whether it exists. DECODEs take turns on
-the compute slot, shared fairly between users by time held (slot.py), one slice (at most
-SLICE_TOKENS tokens or SLICE_SECONDS) per turn when others wait; REGISTER, STATUS and
-LIST never wait for it. Per-user quotas (quotas.py) cap what one user may take of the
-agents, the device budget and the swap budget; a paused agent whose KV does not fit the
-swap budget keeps its tokens and re-reads them when it comes back.
+request can reach another user's agent or learn whether it exists. The scheduler shares
+the device fairly between users by time; REGISTER, STATUS and LIST never wait for it.
+Per-user quotas (quotas.py) cap what one user may take of the agents, the device budget
+and the swap budget; a paused agent whose KV does not fit the swap budget keeps its
+tokens and re-reads them when it comes back.
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from pathlib import Path
 from .. import catalog
 from ..context import Context
 from ..errors import ModelLoadError, ModelNotFoundError, SwarmKVError
-from ..generate import generate
 from ..snapshot import Snapshot, tokens_hash
 from ..procmem import rss_bytes
 from . import sandbox
@@ -34,8 +33,9 @@ from .estimate import Estimate, estimate
 from .ledger import Ledger, LedgerDenied
 from .modelfile import LoadableCopy, ModelFile, ModelSource, check_unchanged, fd_path
 from .quotas import UNLIMITED, Quotas
+from .pool import Pool, Seat
 from .registry import Loaded, ModelRegistry
-from .slot import FairSlot, SlotClosed
+from .scheduler import Run, Scheduler, Stopping
 
 AGENT_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
@@ -49,18 +49,9 @@ class ConductorError(SwarmKVError):
 
 
 #: A paused prefix agent keeps no KV of its own when its tokens after the document are at
-#: most this many: it is rebuilt from the shared document and a re-decode of those tokens.
+#: most this many: it is rebuilt from the shared document and a re-read of those tokens.
 REPLAY_MAX = 2048
 MAX_PREFIX_BYTES = 8 << 20
-#: A DECODE's turn on the slot ends, when another user waits, after this many tokens or
-#: this many seconds (its swap-in included), whichever comes first.
-SLICE_TOKENS = 32
-SLICE_SECONDS = 0.25
-REPLAY_CHUNK = 64
-
-
-class Preempted(Exception):
-    """A turn given up before its work began (a re-read interrupted); queue again."""
 
 
 @dataclass
@@ -90,13 +81,13 @@ class Agent:
     owner: int = -1                       # uid of the client that registered it
     measured_bytes: int = 0
     last_used: float = field(default_factory=time.monotonic)
-    state: str = "cold"                   # cold | active | suspended
+    state: str = "cold"                   # cold | active (seated in the live pool) | suspended
     saved: Snapshot | None = None         # KV in host RAM while suspended
     history: list[int] = field(default_factory=list)   # tokens whose KV is in the state
     pending: int | None = None            # last generated token, not yet decoded
     prefix: SharedPrefix | None = None    # the document it starts from (REGISTER prefix=)
     replay: bool = False                  # paused without a snapshot: re-read history on resume
-    running: bool = False                 # a DECODE of it is between its first and last slice
+    running: bool = False                 # a DECODE of it has begun and not ended
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -120,9 +111,11 @@ class DecodeResult:
     restored: bool
     text: str
     cancelled: bool = False
-    queued_ms: float = 0.0     # waiting for turns on the slot (other users' slices)
-    swap_ms: float = 0.0       # making the agent live (snapshot out, restore or re-read in)
-    slices: int = 0
+    queued_ms: float = 0.0     # waiting to join a batch (other pools' turns, a full batch)
+    swap_ms: float = 0.0       # making the agent resident (pools switched, restore, fork)
+    slices: int = 0            # times it joined a batch
+    batch: int = 0             # the most agents decoded in one step with it
+    forked: bool = False       # it shares its document's cells in the pool
 
 
 def named_source(model: str) -> ModelSource:
@@ -148,12 +141,9 @@ class Conductor:
         self._pending: set[tuple[int, str]] = set()   # (owner, id) being registered right now
         self._lock = threading.Lock()
         self._uid_gates: dict[int, threading.Lock] = {}
-        self.slot = FairSlot()
-        self.live: tuple[Agent, Context] | None = None
-        self.decoding: Agent | None = None        # the agent whose DECODE holds the slot
+        self.scheduler = Scheduler(self)
         self.n_threads = n_threads
         self.prefixes: dict[str, SharedPrefix] = {}
-        self._deadline: float | None = None       # shutdown: the running DECODE stops then
 
     # ---- REGISTER / UNREGISTER ------------------------------------------------------------
     def register(self, agent_id: str, model: str | ModelSource, n_ctx: int = 2048, owner: int | None = None,
@@ -230,6 +220,8 @@ class Conductor:
                 del self.prefixes[shared.key]
         if last:
             self.swap.release(f"prefix:{shared.key}")
+            for pool in self.scheduler.pools.values():
+                pool.drop_document(shared.key)
 
     def _cap(self, ledger: Ledger, share: float, owner: int) -> int | None:
         return None if owner == self.admin else int(ledger.limit() * share)
@@ -300,27 +292,31 @@ class Conductor:
             ctx.close()
         return max(1, used, kv_estimate)
 
-    def _new_context(self, loaded: Loaded, n_ctx: int, exact: bool = False) -> Context:
+    def _new_context(self, loaded: Loaded, n_ctx: int, n_seqs: int = 1, exact: bool = False) -> Context:
         kw = {"n_threads": self.n_threads} if self.n_threads else {}
         # swa_full: a sliding-window model (Gemma 3) keeps every cell, so rolling a
         # conversation back after a cancel or a failure restores exactly what was there.
-        # exact (prefix agents): batch-invariant kernels, so re-decoding an agent's tokens
-        # in one batch rebuilds the very KV bytes they had when decoded one by one.
-        return Context(loaded.model, n_ctx=n_ctx, n_batch=512, n_ubatch=512, flash_attn="on",
-                       swa_full=True, batch_invariant=exact, **kw)
+        # exact (prefix agents): batch-invariant kernels, so an agent's tokens are the same
+        # batched with others as alone, and re-reading its tokens in one batch rebuilds the
+        # very KV bytes they had when decoded one by one. kv_unified: the pool's agents
+        # share one cell buffer, so a document's cells can be shared by seq_cp.
+        return Context(loaded.model, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_seq_max=n_seqs,
+                       kv_unified=n_seqs > 1, flash_attn="on", swa_full=True, batch_invariant=exact, **kw)
 
     def unregister(self, agent_id: str, owner: int | None = None) -> Agent:
+        """Waits for the agent's DECODEs in flight, then frees what it holds."""
         owner = self.admin if owner is None else owner
-        with self._slot_turn(owner):  # never free a context in the middle of its decode
+        agent = self.get(agent_id, owner)
+
+        def leave() -> Agent:
             with self._lock:
-                agent = self.agents.pop((owner, agent_id), None)
-            if agent is None:
-                raise ConductorError("UNKNOWN_AGENT", f"no agent {agent_id}")
-            if self.live and self.live[0] is agent:
-                self.live[1].close()
-                self.live = None
+                if self.agents.get((owner, agent_id)) is not agent:
+                    raise ConductorError("UNKNOWN_AGENT", f"no agent {agent_id}")
+                del self.agents[(owner, agent_id)]
+            self._unseat(agent)
             self._free(agent)
-        return agent
+            return agent
+        return self._between_steps(leave, agent)
 
     def _free(self, agent: Agent) -> None:
         """Release everything an agent that left the table holds: its saved KV, its share
@@ -331,6 +327,7 @@ class Conductor:
         with self.registry.gate(agent.file.key):
             if self.registry.release(agent.file.key, agent.key):
                 self.ledger.release(f"model:{agent.file.key}")
+                self.scheduler.forget_model(agent.file.key)
 
     def expire_idle(self) -> list[str]:
         """Unregister agents unused for agent_ttl seconds (0: never); returns their ids."""
@@ -364,79 +361,37 @@ class Conductor:
     # ---- DECODE / RESET ---------------------------------------------------------------------
     def decode(self, agent_id: str, max_tokens: int, prompt: str, should_stop=None,
                owner: int | None = None) -> DecodeResult:
-        """Continue the agent's conversation by up to max_tokens tokens, one slice per turn
-        on the slot. Cancelled (should_stop) or failed, it leaves the conversation exactly
-        as it was before this DECODE, whichever slice it was in."""
+        """Continue the agent's conversation by up to max_tokens tokens, in the batch of its
+        model's pool. Cancelled (should_stop) or failed, it leaves the conversation exactly
+        as it was before this DECODE, however far it had gone."""
         owner = self.admin if owner is None else owner
         if not 1 <= max_tokens <= 4096:
             raise ConductorError("BAD_REQUEST", f"max_tokens must be in 1..4096, got {max_tokens}")
-        stop = lambda: bool(should_stop and should_stop()) or self._past_deadline()  # noqa: E731
-        t0, run, waits, swaps = time.perf_counter_ns(), None, 0.0, 0.0
-        while True:
-            t_wait = time.perf_counter()
-            with self._slot_turn(owner):
-                waits += time.perf_counter() - t_wait
-                try:
-                    agent = self.get(agent_id, owner)       # the owner's agent, looked up now
-                    if run is not None and agent is not run.agent:
-                        raise ConductorError("UNKNOWN_AGENT", f"agent {agent_id} was unregistered during the DECODE")
-                    agent.last_used = time.monotonic()
-                    if run is None and stop():
-                        return DecodeResult(agent_id, 0, 0, False, 0.0, None, False, "", cancelled=True)
-                    with agent.lock:
-                        t_swap = time.perf_counter()
-                        try:
-                            evicted, restored, ctx = self._swap_in(agent)
-                        except Preempted:
-                            swaps += time.perf_counter() - t_swap
-                            continue
-                        swaps += time.perf_counter() - t_swap
-                        if run is None:
-                            run = self._begin(agent, ctx, prompt, max_tokens, evicted, restored)
-                            agent.running = True
-                        if self._slice(run, ctx, stop):
-                            agent.running = False
-                            r = run.result(agent_id, (time.perf_counter_ns() - t0) / 1e6)
-                            r.queued_ms, r.swap_ms, r.slices = waits * 1e3, swaps * 1e3, run.slices
-                            return r
-                except BaseException:
-                    if run is not None:
-                        run.agent.running = False
-                        if run.slices and run.agent is self.agents.get((owner, agent_id)):
-                            self._abandon(run)
-                    raise
+        agent = self.get(agent_id, owner)       # the owner's agent, looked up now
+        agent.last_used = time.monotonic()
+        run = Run(agent, owner, prompt, max_tokens, should_stop or (lambda: False))
+        t0 = time.perf_counter_ns()
+        try:
+            self.scheduler.submit(run)
+        except Stopping:
+            run.error = Stopping()
+        if isinstance(run.error, Stopping):
+            raise ConductorError("CANCELLED", "the daemon is stopping; this request was not run") from None
+        if run.error is not None:
+            raise run.error
+        return self._result(run, agent_id, (time.perf_counter_ns() - t0) / 1e6)
 
-    def _abandon(self, run: "_Run") -> None:
-        """A DECODE failed between slices (its agent may be paused): put the agent back as
-        it was before the DECODE. Paused, it keeps its tokens and re-reads them."""
-        agent = run.agent
-        agent.history, agent.pending = agent.history[:run.n_history], run.pending
-        if self.live and self.live[0] is agent:
-            self._roll_back(run, self.live[1])
-        elif agent.saved is not None or agent.state == "suspended":
-            self._drop_saved(agent)
-            agent.replay = bool(agent.history) and agent.prefix is None
-            agent.state = "suspended" if agent.history else "cold"
-
-    def _slot_turn(self, owner: int):
-        """A turn on the slot; a DECODE queued when the daemon stops is CANCELLED."""
-        return _Turn(self.slot, owner)
-
-    def _past_deadline(self) -> bool:
-        return self._deadline is not None and time.monotonic() >= self._deadline
-
-    def _begin(self, agent: Agent, ctx: Context, prompt: str, max_tokens: int, evicted, restored) -> "_Run":
-        new = agent.loaded.model.tokenize(prompt, add_special=not agent.history and agent.pending is None)
-        tokens = ([agent.pending] if agent.pending is not None else []) + [int(t) for t in new]
-        if not tokens:
-            raise ConductorError("BAD_REQUEST", "the prompt is empty")
-        need = len(agent.history) + len(tokens) + max_tokens
-        if need > ctx.n_ctx:
-            raise ConductorError("CONTEXT_FULL", f"agent {agent.id}: {len(agent.history)} tokens in "
-                                 f"context + {len(tokens)} new + max_tokens {max_tokens} = {need} > "
-                                 f"n_ctx {ctx.n_ctx}; RESET it or register with a larger n_ctx")
-        return _Run(agent, len(new), tokens, max_tokens, len(agent.history), agent.pending,
-                    self._evicted_for(agent, evicted), restored)
+    def _result(self, run: Run, agent_id: str, elapsed_ms: float) -> DecodeResult:
+        evicted = self._evicted_for(run.agent, run.evicted)
+        if run.cancelled:
+            return DecodeResult(agent_id, run.prompt_tokens, 0, False, 0.0, evicted, run.restored, "",
+                                cancelled=True)
+        model = run.agent.loaded.model
+        text = b"".join(model.token_bytes(t) for t in run.generated).decode("utf-8", "replace")
+        return DecodeResult(agent_id, run.prompt_tokens, len(run.generated), run.stopped_on_eog, elapsed_ms,
+                            evicted, run.restored, text, queued_ms=run.queued_s * 1e3,
+                            swap_ms=run.swap_s * 1e3, slices=run.slices, batch=run.batch_max,
+                            forked=run.forked)
 
     def _evicted_for(self, agent: Agent, evicted: Agent | None) -> str | None:
         """The agent swapped out, as the requester may see it: another user's agent is
@@ -445,248 +400,136 @@ class Conductor:
             return None
         return evicted.id if evicted.owner == agent.owner or agent.owner == self.admin else "another-user"
 
-    def _slice(self, run: "_Run", ctx: Context, stop) -> bool:
-        """Generate up to SLICE_TOKENS tokens (more while no other user waits); commit them
-        to the agent's history. True when the DECODE is complete (or cancelled)."""
+    # ---- what the scheduler asks of the conductor (on its thread) -------------------------
+    def begin(self, run: Run) -> None:
+        """The DECODE's first step: its prompt as tokens after the agent's conversation
+        (the pending token first), checked against the agent's n_ctx."""
         agent = run.agent
-        self.decoding = agent
-        taken, yielded = [0], []
+        new = agent.loaded.model.tokenize(run.prompt, add_special=not agent.history and agent.pending is None)
+        tokens = ([agent.pending] if agent.pending is not None else []) + [int(t) for t in new]
+        if not tokens:
+            raise ConductorError("BAD_REQUEST", "the prompt is empty")
+        need = len(agent.history) + len(tokens) + run.max_tokens
+        if need > agent.n_ctx:
+            raise ConductorError("CONTEXT_FULL", f"agent {agent.id}: {len(agent.history)} tokens in "
+                                 f"context + {len(tokens)} new + max_tokens {run.max_tokens} = {need} > "
+                                 f"n_ctx {agent.n_ctx}; RESET it or register with a larger n_ctx")
+        run.prompt_tokens, run.feed = len(new), tokens
+        run.n_history, run.pending = len(agent.history), agent.pending
+        agent.pending, agent.running, run.began = None, True, True
 
-        def pause() -> bool:     # asked before each token is sampled
-            if stop():
-                return True
-            if taken[0] and (taken[0] >= SLICE_TOKENS or self.slot.held_for() >= SLICE_SECONDS) \
-                    and self.slot.others_waiting(agent.owner):
-                yielded.append(True)
-                return True
-            taken[0] += 1
-            return False
-        try:
-            gen = generate(ctx, run.tokens, max_tokens=run.left, pos0=len(agent.history), should_stop=pause)
-        except BaseException as exc:
-            self._roll_back(run, ctx, exc)
-            raise
-        finally:
-            self.decoding = None
-        if gen.cancelled and not yielded:   # the client left, or the daemon is stopping
-            self._roll_back(run, ctx)
-            run.cancelled = True
-            return True
-        if yielded:   # the last token was decoded already: drop its cell, keep it pending
-            ctx.seq_rm(0, len(agent.history) + len(run.tokens) + len(gen.tokens) - 1, -1)
-        # The last sampled token is in the KV only if another was sampled after it:
-        # after an end-of-generation stop all of them are; otherwise the last one waits
-        # to be decoded with the next prompt (or the next slice).
-        if gen.stopped_on_eog or not gen.tokens:
-            agent.history += run.tokens + gen.tokens
-            agent.pending = None
-        else:
-            agent.history += run.tokens + gen.tokens[:-1]
-            agent.pending = gen.tokens[-1]
-        run.generated += gen.tokens
-        run.stopped_on_eog = gen.stopped_on_eog
-        run.slices += 1
-        if gen.stopped_on_eog or run.left == 0:
-            return True
-        run.tokens, agent.pending = [agent.pending], None
-        return False
+    def agents_of(self, key: tuple[str, bool]) -> list[Agent]:
+        """The registered agents a pool serves: one model, exact (prefix) or not."""
+        with self._lock:
+            return [a for a in self.agents.values() if (a.file.key, a.prefix is not None) == key]
 
-    def _roll_back(self, run: "_Run", ctx: Context, cause: BaseException | None = None) -> None:
-        """Leave the agent as it was before the DECODE began (its history, its pending
-        token) and the live context holding exactly that history, so one failed DECODE
-        cannot break the next one, this agent's or another's. If the cells cannot be
-        removed, the live state is dropped and the agent starts over."""
-        agent, n_keep = run.agent, run.n_history
-        agent.history, agent.pending = agent.history[:n_keep], run.pending
-        try:
-            ctx.seq_rm(0, n_keep, -1)
-            if ctx.seq_pos_max(0) != n_keep - 1:
-                raise RuntimeError(f"cells past position {n_keep - 1} remain")
-        except Exception as exc:
-            ctx.close()
-            self.live = None
-            agent.history, agent.pending, agent.state = [], None, "cold"
-            self._drop_saved(agent)
-            raise ConductorError("INTERNAL", f"agent {agent.id}: {cause or 'cancelled'}; rolling back "
-                                 f"failed ({exc}), so its conversation was reset") from cause
-        agent.state = "active"
+    def open_pool(self, key: tuple[str, bool], loaded: Loaded) -> Pool:
+        return Pool(key, loaded, new_context=self._new_context, pause=self._pause,
+                    keep_prefix=self._keep_prefix, drop_saved=self._drop_saved)
+
+    def _keep_prefix(self, agent: Agent, snap: Snapshot) -> None:
+        """The document's KV, computed once, kept in host RAM for every agent over it
+        (booked once to the swap budget, to the first agent's owner)."""
+        p = agent.prefix
+        self.swap.reserve(f"prefix:{p.key}", snap.nbytes,
+                          cap=self._cap(self.swap, self.quotas.swap_share, agent.owner))
+        p.snapshot = snap
+
+    def _pause(self, agent: Agent, ctx: Context, seat: Seat) -> None:
+        """Keep a leaving agent's KV in host RAM, booked to its owner's swap share. A prefix
+        agent that can be rebuilt from its document needs none; if the share (or the
+        whole budget) is full, the agent keeps only its tokens and its next DECODE
+        re-reads them: a full swap budget slows its owner's agents down, and never
+        refuses anyone's DECODE (one user's hoard cannot block another's)."""
+        complete = seat.kv_len == len(agent.history)
+        if agent.history and complete and not self._replayable(agent):
+            key = f"swap:{agent.key}"
+            try:
+                self.swap.reserve(key, max(1, ctx.seq_state_size(seat.seq)),
+                                  cap=self._cap(self.swap, self.quotas.swap_share, agent.owner))
+            except LedgerDenied:
+                agent.replay = True
+            else:
+                try:
+                    agent.saved = Snapshot.capture(ctx, seat.seq, agent.history)
+                except BaseException:
+                    self.swap.release(key)
+                    raise
+        elif agent.history and agent.prefix is None:
+            agent.replay = True
+        agent.state = "suspended" if agent.history else "cold"
+
+    def _replayable(self, agent: Agent) -> bool:
+        """A prefix agent whose KV can be rebuilt from the shared document plus a
+        re-read of at most REPLAY_MAX tokens of its own: it needs no snapshot."""
+        p = agent.prefix
+        return (p is not None and p.snapshot is not None and agent.history[:p.n_tokens] == p.tokens
+                and len(agent.history) - p.n_tokens <= REPLAY_MAX)
 
     def _drop_saved(self, agent: Agent) -> None:
         agent.saved, agent.replay = None, False
         self.swap.release(f"swap:{agent.key}")
 
-    def _swap_in(self, agent: Agent) -> tuple[Agent | None, bool, Context]:
-        """Make `agent` the live one; returns (evicted agent, restored?, its context)."""
-        if self.live and self.live[0] is agent:
-            return None, False, self.live[1]
-        evicted = None
-        if self.live:
-            other, ctx = self.live
-            self._pause(other, ctx)
-            ctx.close()
-            self.live, evicted = None, other
-        ctx = self._new_context(agent.loaded, agent.n_ctx, exact=agent.prefix is not None)
-        restored = False
+    def rewind_paused(self, agent: Agent) -> None:
+        """A DECODE was undone while its agent was paused: a snapshot taken mid-DECODE
+        holds too much, so the agent keeps its tokens and re-reads them."""
+        if agent.saved is not None:
+            self._drop_saved(agent)
+            agent.replay = bool(agent.history) and agent.prefix is None
+        agent.state = "suspended" if agent.history else "cold"
+
+    def forget_conversation(self, agent: Agent) -> None:
+        agent.history, agent.pending, agent.state = [], None, "cold"
+        self._drop_saved(agent)
+
+    @staticmethod
+    def reset_error(agent: Agent, exc: Exception) -> ConductorError:
+        return ConductorError("INTERNAL", f"agent {agent.id}: rolling back failed ({exc}), so its "
+                              "conversation was reset")
+
+    def _unseat(self, agent: Agent) -> None:
+        """Drop the agent's sequence from the live pool, if it has one (no snapshot)."""
+        pool = self.scheduler.live
+        if pool is not None and pool.is_open and pool.seat_of(agent) is not None:
+            pool.unseat(agent, pause=False)
+
+    def _between_steps(self, fn, agent: Agent | None = None):
         try:
-            if agent.saved is not None:
-                agent.saved.restore(ctx, 0)
-                self._drop_saved(agent)
-                restored = True
-            elif agent.prefix is not None:
-                restored = self._start_from_prefix(agent, ctx)
-            elif agent.replay:
-                self._replay(agent, ctx)
-        except BaseException:
-            ctx.close()
-            raise
-        agent.state = "active"
-        self.live = (agent, ctx)
-        return evicted, restored, ctx
-
-    def _replay(self, agent: Agent, ctx: Context) -> None:
-        """Re-read a paused agent's history (its KV did not fit the swap budget), a chunk
-        at a time: when another user who has used less of the slot waits, give the turn
-        up (Preempted) and start again at a later turn, so a long re-read cannot hold
-        the others (it is its owner's cost, not theirs)."""
-        history = agent.history
-        for start in range(0, len(history), REPLAY_CHUNK):
-            if start and self.slot.held_for() >= SLICE_SECONDS and self.slot.others_waiting(agent.owner):
-                raise Preempted()
-            ctx.decode_tokens(history[start:start + REPLAY_CHUNK], start, logits_last=False)
-        agent.replay = False
-
-    def _pause(self, other: Agent, ctx: Context) -> None:
-        """Keep the live agent's KV in host RAM, booked to its owner's swap share. If that
-        share (or the whole budget) is full, the agent keeps only its tokens and its next
-        DECODE re-reads them: a full swap budget slows its owner's agents down, and never
-        refuses anyone's DECODE (one user's hoard cannot block another's)."""
-        replayable = bool(other.history) and self._replayable(other)
-        if other.history and not replayable:
-            key = f"swap:{other.key}"
-            try:
-                self.swap.reserve(key, max(1, ctx.seq_state_size(0)),
-                                  cap=self._cap(self.swap, self.quotas.swap_share, other.owner))
-            except LedgerDenied:
-                other.replay = True
-            else:
-                try:
-                    other.saved = Snapshot.capture(ctx, 0, other.history)
-                except BaseException:
-                    self.swap.release(key)
-                    raise
-        other.state = "suspended" if other.saved or replayable or other.replay else "cold"
-
-    def _replayable(self, agent: Agent) -> bool:
-        """A prefix agent whose KV can be rebuilt from the shared document plus a
-        re-decode of at most REPLAY_MAX tokens of its own: it needs no snapshot."""
-        p = agent.prefix
-        return (p is not None and p.snapshot is not None and agent.history[:p.n_tokens] == p.tokens
-                and len(agent.history) - p.n_tokens <= REPLAY_MAX)
-
-    def _start_from_prefix(self, agent: Agent, ctx: Context) -> bool:
-        """Load the shared document (computing it if no agent has yet), then re-decode the
-        agent's own tokens after it. Returns True when the document was restored."""
-        p = agent.prefix
-        if p.snapshot is None:
-            ctx.decode_tokens(p.tokens, logits_last=False)
-            snap = Snapshot.capture(ctx, 0, p.tokens)
-            self.swap.reserve(f"prefix:{p.key}", snap.nbytes,        # booked once, for all its agents
-                              cap=self._cap(self.swap, self.quotas.swap_share, agent.owner))
-            p.snapshot, restored = snap, False
-        else:
-            p.snapshot.restore(ctx, 0)
-            restored = True
-        if not agent.history:
-            agent.history = list(p.tokens)
-        elif len(agent.history) > p.n_tokens:
-            ctx.decode_tokens(agent.history[p.n_tokens:], p.n_tokens, logits_last=False)
-        agent.replay = False
-        return restored
+            return self.scheduler.call(fn, agent)
+        except Stopping:
+            raise ConductorError("CANCELLED", "the daemon is stopping; this request was not run") from None
 
     def reset(self, agent_id: str, owner: int | None = None) -> None:
-        """Clear the agent's conversation. An agent that is neither live nor in a DECODE
-        is cleared at once; otherwise the RESET waits for a turn on the slot."""
+        """Clear the agent's conversation (a prefix agent goes back to its document), once
+        its DECODEs in flight have ended."""
         owner = self.admin if owner is None else owner
         agent = self.get(agent_id, owner)
-        with agent.lock:        # held by a turn that is swapping this agent in or decoding it
-            if not agent.running and not (self.live and self.live[0] is agent):
-                agent.last_used = time.monotonic()
-                agent.history, agent.pending = [], None
-                self._drop_saved(agent)
-                agent.state = "cold"
-                return
-        with self._slot_turn(owner):
-            agent = self.get(agent_id, owner)
+
+        def clear() -> None:
+            if self.agents.get((owner, agent_id)) is not agent:
+                raise ConductorError("UNKNOWN_AGENT", f"no agent {agent_id}")
             agent.last_used = time.monotonic()
-            if self.live and self.live[0] is agent:
-                if agent.prefix is not None:   # back to the document: the next DECODE reloads it
-                    self.live[1].close()
-                    self.live = None
-                else:
-                    self.live[1].clear()
-            agent.history, agent.pending = [], None
-            self._drop_saved(agent)
-            agent.state = "active" if self.live and self.live[0] is agent else "cold"
+            self._unseat(agent)
+            self.forget_conversation(agent)
+        self._between_steps(clear, agent)
 
     def shutdown(self, grace_s: float) -> None:
-        """Stop: queued DECODEs are CANCELLED now, the running one within grace_s (rolled
+        """Stop: queued DECODEs are CANCELLED now, the running ones within grace_s (rolled
         back like a disconnect)."""
-        self._deadline = time.monotonic() + grace_s
-        self.slot.close()
+        self.scheduler.close(grace_s)
 
     def close(self) -> None:
         """Free everything (after shutdown, or in-process use)."""
+        def close_pools() -> None:
+            for pool in self.scheduler.pools.values():
+                if pool.is_open:
+                    pool.ctx.close()
+                    pool.ctx = None
+            self.scheduler.live = None
+        self.scheduler.call(close_pools)
+        self.scheduler.stop()
         with self._lock:
             agents = list(self.agents.values())
             self.agents.clear()
-        if self.live:
-            self.live[1].close()
-            self.live = None
         for agent in agents:
             self._free(agent)
-
-
-class _Turn:
-    """`with _Turn(slot, uid):` a turn on the slot; SlotClosed becomes CANCELLED."""
-
-    def __init__(self, slot: FairSlot, uid: int):
-        self._cm = slot.turn(uid)
-
-    def __enter__(self):
-        try:
-            return self._cm.__enter__()
-        except SlotClosed:
-            raise ConductorError("CANCELLED", "the daemon is stopping; this request was not run") from None
-
-    def __exit__(self, *exc):
-        return self._cm.__exit__(*exc)
-
-
-@dataclass
-class _Run:
-    """One DECODE across its slices: what it started from (for a roll-back) and what it made."""
-    agent: Agent
-    prompt_tokens: int
-    tokens: list[int]                 # to decode at the next slice's start
-    max_tokens: int
-    n_history: int                    # the history's length before the DECODE
-    pending: int | None               # the pending token before the DECODE
-    evicted: str | None
-    restored: bool
-    generated: list[int] = field(default_factory=list)
-    stopped_on_eog: bool = False
-    cancelled: bool = False
-    slices: int = 0
-
-    @property
-    def left(self) -> int:
-        return self.max_tokens - len(self.generated)
-
-    def result(self, agent_id: str, elapsed_ms: float) -> DecodeResult:
-        if self.cancelled:
-            return DecodeResult(agent_id, self.prompt_tokens, 0, False, 0.0, self.evicted, self.restored, "",
-                                cancelled=True)
-        model = self.agent.loaded.model
-        text = b"".join(model.token_bytes(t) for t in self.generated).decode("utf-8", "replace")
-        return DecodeResult(agent_id, self.prompt_tokens, len(self.generated), self.stopped_on_eog,
-                            elapsed_ms, self.evicted, self.restored, text)

@@ -2,9 +2,10 @@
 
 One thread per client connection, at most --max-clients of them and
 --max-clients-per-uid per user (the next one gets ERR BUSY); a connection that does not
-complete a request line within --idle-timeout seconds is closed. DECODEs take turns on
-the compute slot, shared fairly (by time held) between users; STATUS, LIST and HELP
-never wait for it. The socket is created with mode 0600 and every peer's uid is checked
+complete a request line within --idle-timeout seconds is closed. DECODEs of agents of one
+model run together, one llama_decode per step for all of them, on one scheduler thread
+that shares the device fairly (by time) between users; STATUS, LIST and HELP never wait
+for it. The socket is created with mode 0600 and every peer's uid is checked
 (SO_PEERCRED); agents are named per uid and reachable only by it. Model files and prefix
 documents come as descriptors the client opened (access.py); untrusted models load in a
 sandboxed child first (sandbox.py). Lines longer than the cap are answered with
@@ -340,7 +341,8 @@ class Server:
                             stopped_on_eos=r.stopped_on_eog),  # the wire keeps the SPEC's name
                 protocol.kv(elapsed_ms=r.elapsed_ms),
                 protocol.kv(kv_swap_evicted=r.evicted, kv_swap_restored=r.restored),
-                protocol.kv(queued_ms=r.queued_ms, swap_ms=r.swap_ms, slices=r.slices),
+                protocol.kv(queued_ms=r.queued_ms, swap_ms=r.swap_ms, slices=r.slices, batch=r.batch,
+                            prefix_forked=r.forked),
             ], body=r.text, agent_id=r.agent_id)
         raise protocol.ProtocolError("UNKNOWN_VERB", req.verb)
 
@@ -371,7 +373,9 @@ class Server:
         limit, allocated = c.ledger.limit(), c.ledger.allocated
         every = self._sees_all(uid)
         visible = c.owned_by(None if every else uid)
-        live, decoding = (c.live[0] if c.live else None), c.decoding
+        pool = c.scheduler.live
+        live = pool.last if pool is not None else None
+        decoding = [a.id for a in c.scheduler.decoding() if a in visible]
         lines = [
             protocol.kv(ledger_max_bytes=limit, ledger_allocated_bytes=allocated,
                         ledger_free_bytes=max(0, limit - allocated)),
@@ -379,9 +383,9 @@ class Server:
                         device_free_bytes=m.free, device_used_by_others_bytes=m.others,
                         budget_fixed=self.memory.budget_bytes is not None),
             protocol.kv(swap_max_bytes=c.swap.limit(), swap_allocated_bytes=c.swap.allocated),
-            protocol.kv(agents=len(visible), decode_queue=c.slot.waiting(None if every else uid),
+            protocol.kv(agents=len(visible), decode_queue=c.scheduler.waiting(None if every else uid),
                         live_agent=live.id if live in visible else None,
-                        decoding=decoding.id if decoding in visible else None,
+                        decoding=",".join(decoding) or None,
                         uptime_s=round(time.time() - self.started, 1)),
         ]
         if not every:

@@ -1,0 +1,214 @@
+"""A pool: the one context that agents of a model share, a KV sequence per resident agent.
+
+Agents of one model DECODE together in one llama_context with a unified KV cache: each
+resident agent holds a sequence id (a seat), its cells are its conversation, and one
+llama_decode steps every agent in the batch (scheduler.py). Prefix agents fork their
+document's cells from a document sequence (llama_memory_seq_cp: the cells are shared,
+nothing is copied) instead of each restoring a host copy. An agent leaves its sequence
+only when the pool is out of seats or cells (the scheduler pauses the least recently
+used idle one) or when another pool becomes live: switching between agents of one model
+moves no KV bytes.
+
+A pool is keyed by (model file, exact): prefix agents run batch-invariant kernels
+(exact mode), which give the same tokens batched as alone; the other agents run the fast
+kernels, so they get a pool of their own. The shared-prefix attention kernel reads a
+sequence's cells in cell order, so exactness also needs every sequence's cells in
+position order; llama.cpp refills freed cells first, so once an exact pool has had cells
+removed (a roll-back, a RESET, an agent paused) it is `scrambled` and the scheduler
+rebuilds it before its next step (every agent from its document and a re-read, or its
+snapshot).
+
+A seat costs the agent's n_ctx in cells (less its document when it shares one), and the
+context is sized for every agent of the pool registered when it opens, so the pool holds
+no more KV than the agents' bookings in the ledger already cover.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ..context import Context
+from ..snapshot import Snapshot
+
+#: llama.cpp's LLAMA_MAX_SEQ: sequences one context can hold.
+MAX_SEQS = 256
+
+
+@dataclass
+class Seat:
+    """A resident agent's sequence. kv_len: how many of the agent's history tokens have
+    their KV in the sequence (the rest are re-read by the next steps)."""
+    seq: int
+    agent: "object"
+    kv_len: int
+    cells: int
+
+
+@dataclass
+class Entry:
+    """How an agent came into its seat, for its DECODE reply."""
+    restored: bool = False      # its KV (or its document's) was loaded from host RAM
+    forked: bool = False        # it shares its document's cells
+    swap_s: float = 0.0
+
+
+class Pool:
+    """The conductor lends what touches its ledgers: new_context(loaded, n_ctx, n_seqs,
+    exact); pause(agent, ctx, seat), which keeps a leaving agent's KV in host RAM;
+    keep_prefix(agent, snapshot), the document's host copy; drop_saved(agent)."""
+
+    def __init__(self, key: tuple[str, bool], loaded, *, new_context: Callable, pause: Callable,
+                 keep_prefix: Callable, drop_saved: Callable):
+        self.key, self.loaded, self.exact = key, loaded, key[1]
+        self._new_context, self._pause, self._keep_prefix = new_context, pause, keep_prefix
+        self._drop_saved = drop_saved
+        self.ctx: Context | None = None
+        self.seats: dict[str, Seat] = {}          # Agent.key -> its seat
+        self.docs: dict[str, tuple[int, int]] = {}   # SharedPrefix.key -> (seq, cells)
+        self.free_seqs: list[int] = []
+        self.cells_free = 0
+        self.scrambled = False
+        self.last: object | None = None           # the agent stepped last (the one reported evicted)
+
+    # ---- opening and closing ------------------------------------------------------------
+    @staticmethod
+    def size_for(agents: list) -> tuple[int, int]:
+        """(cells, sequences) that seat every one of `agents` and their documents."""
+        prefixes = {a.prefix.key for a in agents if a.prefix is not None}
+        return max(256, sum(a.n_ctx for a in agents)), max(1, min(MAX_SEQS, len(agents) + len(prefixes)))
+
+    def open(self, agents: list) -> None:
+        """Create the context for `agents` (every registered agent of this pool)."""
+        n_ctx, n_seqs = self.size_for(agents)
+        self.ctx = self._new_context(self.loaded, n_ctx, n_seqs, self.exact)
+        self.free_seqs = list(range(self.ctx.n_seq_max - 1, -1, -1))
+        self.cells_free = self.ctx.n_ctx
+        self.seats, self.docs, self.scrambled = {}, {}, False
+
+    def close(self) -> list:
+        """Pause every resident agent and free the context; returns the agents paused."""
+        paused = [s.agent for s in self.seats.values()]
+        if self.ctx is not None:
+            for seat in list(self.seats.values()):
+                self.unseat(seat.agent, pause=True)
+            self.ctx.close()
+        self.ctx, self.seats, self.docs = None, {}, {}
+        return paused
+
+    @property
+    def is_open(self) -> bool:
+        return self.ctx is not None
+
+    # ---- seats ---------------------------------------------------------------------------
+    def seat_of(self, agent) -> Seat | None:
+        return self.seats.get(agent.key)
+
+    def need(self, agent) -> tuple[int, int]:
+        """(sequences, cells) seating `agent` takes now, its document included."""
+        p = agent.prefix
+        if p is None or agent.saved is not None:
+            return 1, agent.n_ctx
+        if p.key in self.docs:
+            return 1, agent.n_ctx - p.n_tokens
+        return 2, agent.n_ctx
+
+    def undersized(self, agents: list) -> bool:
+        """Agents were registered since the context was made: it cannot seat them all."""
+        n_ctx, n_seqs = self.size_for(agents)
+        return n_ctx > self.ctx.n_ctx or n_seqs > self.ctx.n_seq_max
+
+    def fits(self, agent) -> bool:
+        seqs, cells = self.need(agent)
+        return len(self.free_seqs) >= seqs and self.cells_free >= cells
+
+    def seat(self, agent) -> Entry:
+        """Give `agent` a sequence: its snapshot restored, its document forked, or its
+        tokens left to re-read (kv_len 0). The caller checked fits()."""
+        t0 = time.perf_counter()
+        entry = Entry()
+        seq = self.free_seqs.pop()
+        try:
+            if agent.saved is not None:
+                agent.saved.restore(self.ctx, seq)
+                kv_len, cells = len(agent.history), agent.n_ctx
+                self._drop_saved(agent)
+                entry.restored = True
+            elif agent.prefix is not None and self._tokens_follow_document(agent):
+                entry.restored = self._fork_document(agent, seq)
+                entry.forked = True
+                if not agent.history:
+                    agent.history = list(agent.prefix.tokens)
+                kv_len, cells = agent.prefix.n_tokens, agent.n_ctx - agent.prefix.n_tokens
+            else:
+                kv_len, cells = 0, agent.n_ctx      # cold, or paused without a snapshot: re-read
+        except BaseException:
+            self.ctx.seq_rm(seq)
+            self.free_seqs.append(seq)
+            raise
+        agent.replay = False
+        self.seats[agent.key] = Seat(seq, agent, kv_len, cells)
+        self.cells_free -= cells
+        agent.state = "active"
+        entry.swap_s = time.perf_counter() - t0
+        return entry
+
+    @staticmethod
+    def _tokens_follow_document(agent) -> bool:
+        p = agent.prefix
+        return not agent.history or agent.history[:p.n_tokens] == p.tokens
+
+    def _fork_document(self, agent, seq: int) -> bool:
+        """Share the document's cells with `seq`; load or compute the document first if
+        this pool does not hold it. True when it came from the host copy."""
+        p, restored = agent.prefix, False
+        if p.key not in self.docs:
+            doc_seq = self.free_seqs.pop()
+            try:
+                if p.snapshot is not None:
+                    p.snapshot.restore(self.ctx, doc_seq)
+                    restored = True
+                else:
+                    self.ctx.decode_tokens(p.tokens, 0, doc_seq, logits_last=False)
+                    self._keep_prefix(agent, Snapshot.capture(self.ctx, doc_seq, p.tokens))
+            except BaseException:
+                self.ctx.seq_rm(doc_seq)
+                self.free_seqs.append(doc_seq)
+                raise
+            self.docs[p.key] = (doc_seq, p.n_tokens)
+            self.cells_free -= p.n_tokens
+        self.ctx.seq_cp(self.docs[p.key][0], seq, 0, p.n_tokens)
+        return restored
+
+    def unseat(self, agent, pause: bool) -> None:
+        """Free `agent`'s sequence; pause=True keeps its KV in host RAM first (or marks it
+        to be rebuilt or re-read), pause=False drops it (RESET, UNREGISTER)."""
+        seat = self.seats.pop(agent.key)
+        if pause:
+            self._pause(agent, self.ctx, seat)
+        self.ctx.seq_rm(seat.seq)
+        self.free_seqs.append(seat.seq)
+        self.cells_free += seat.cells
+        self.scrambled = self.scrambled or (self.exact and bool(self.seats))
+        if self.last is agent and not pause:
+            self.last = None
+
+    def trim(self, seat: Seat, n_keep: int) -> None:
+        """Drop the sequence's cells from position n_keep on (a roll-back)."""
+        if seat.kv_len > n_keep:
+            self.ctx.seq_rm(seat.seq, n_keep, -1)
+            self.scrambled = self.scrambled or self.exact
+        seat.kv_len = min(seat.kv_len, n_keep)
+        held = self.ctx.seq_pos_max(seat.seq) + 1
+        if held != seat.kv_len:
+            raise RuntimeError(f"sequence {seat.seq} holds {held} positions after the roll-back, "
+                               f"expected {seat.kv_len}")
+
+    def drop_document(self, key: str) -> None:
+        """The document's last agent left: free its sequence."""
+        if key in self.docs and self.ctx is not None:
+            seq, cells = self.docs.pop(key)
+            self.ctx.seq_rm(seq)
+            self.free_seqs.append(seq)
+            self.cells_free += cells
+            self.scrambled = self.scrambled or (self.exact and bool(self.seats))

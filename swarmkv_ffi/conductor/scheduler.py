@@ -1,0 +1,458 @@
+"""The scheduler: one thread runs every llama_decode, for all running agents of a model at once.
+
+A DECODE becomes a `Run`. The scheduler serves one pool at a time (pool.py: the context
+agents of one model share) and each step decodes, in one llama_decode, the next token of
+every run in that pool's batch (or the next chunk of a prompt, or of tokens being
+re-read), then samples each run's next token. A new DECODE joins at the next step, a
+finished one leaves: continuous batching, as llama-server's slots, under lmxd's ledger.
+
+Fair between users by time, as the compute slot was: each step's time is shared among
+the users whose runs were in it. The waiting run of the user who has used the least goes
+first (ties: arrival) when joining a full batch or when another pool is to be served; a
+run that has taken SLICE_TOKENS tokens gives its seat up to such a user, and a pool is
+left after SLICE_SECONDS for one, so no DECODE holds the device forever. A run that gave
+its place up rejoins where it was. A user who was idle re-enters IDLE_CREDIT seconds
+below the least-used active user (as Linux's CFS credits a waking task): an occasional
+short request runs ahead of a busy user's stream, yet idleness banks no more than that.
+
+Nothing else touches the pools' contexts: RESET, UNREGISTER and close hand the thread
+closures (`call`) that run between two steps, once the agent they name has no DECODE in
+flight. A cancelled or failed DECODE is rolled back alone: the other runs go on.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..batch import Batch
+from ..sampler import Sampler
+from .pool import Pool
+
+log = logging.getLogger("lmxd")
+
+SLICE_TOKENS = 32
+SLICE_SECONDS = 0.25
+IDLE_CREDIT = 1.0
+
+
+class Stopping(Exception):
+    """The daemon is stopping: this DECODE was not run."""
+
+
+@dataclass
+class Run:
+    """One DECODE, from its arrival to its reply."""
+    agent: object
+    owner: int
+    prompt: str
+    max_tokens: int
+    should_stop: Callable[[], bool]
+    arrival: int = 0
+    began: bool = False
+    feed: list[int] = field(default_factory=list)   # tokens for the next steps, not in history yet
+    prompt_tokens: int = 0
+    n_history: int = 0            # the history's length before the DECODE (for a roll-back)
+    pending: int | None = None    # the agent's pending token before the DECODE
+    generated: list[int] = field(default_factory=list)
+    stopped_on_eog: bool = False
+    cancelled: bool = False
+    error: BaseException | None = None
+    evicted: object | None = None     # the agent paused to make room for this one
+    restored: bool = False
+    forked: bool = False
+    slices: int = 0
+    slice_tokens: int = 0
+    batch_max: int = 0
+    queued_s: float = 0.0
+    swap_s: float = 0.0
+    since: float = field(default_factory=time.perf_counter)   # when it last began waiting
+    sampler: Sampler | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def pool_key(self) -> tuple[str, bool]:
+        return self.agent.file.key, self.agent.prefix is not None
+
+
+class _Op:
+    def __init__(self, fn: Callable, agent):
+        self.fn, self.agent = fn, agent
+        self.done, self.result, self.error = threading.Event(), None, None
+
+
+class Scheduler:
+    """host: the conductor, which lends the pools what books memory (open_pool) and
+    turns a run's prompt into tokens (begin)."""
+
+    def __init__(self, host):
+        self.host = host
+        self._cv = threading.Condition()
+        self._waiting: list[Run] = []
+        self._batch: list[Run] = []
+        self._ops: deque[_Op] = deque()
+        self._used: dict[int, float] = {}
+        self._arrivals = itertools.count()
+        self.pools: dict[tuple[str, bool], Pool] = {}
+        self.live: Pool | None = None
+        self._turn_began = 0.0
+        self._switch_evicted = None
+        self._closed = False
+        self._deadline: float | None = None
+        self._exit = False
+        self._thread: threading.Thread | None = None
+        self._step_batch: Batch | None = None
+
+    # ---- the request threads' side ----------------------------------------------------------
+    def submit(self, run: Run) -> None:
+        """Queue `run` and wait for its reply (run.done)."""
+        with self._cv:
+            if self._closed:
+                raise Stopping()
+            active = {r.owner for r in self._waiting + self._batch}
+            if run.owner not in active and active:
+                floor = min(self._used.get(u, 0.0) for u in active)
+                self._used[run.owner] = max(self._used.get(run.owner, 0.0), floor - IDLE_CREDIT)
+            run.arrival = next(self._arrivals)
+            self._waiting.append(run)
+            self._start()
+            self._cv.notify_all()
+        run.done.wait()
+
+    def call(self, fn: Callable, agent=None):
+        """Run fn() on the scheduler's thread between two steps, once `agent` (if given)
+        has no DECODE queued or running; returns its result or raises its exception."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        op = _Op(fn, agent)
+        with self._cv:
+            self._ops.append(op)
+            self._start()
+            self._cv.notify_all()
+        op.done.wait()
+        if op.error is not None:
+            raise op.error
+        return op.result
+
+    def waiting(self, uid: int | None = None) -> int:
+        with self._cv:
+            return sum(1 for r in self._waiting if uid is None or r.owner == uid)
+
+    def decoding(self) -> list:
+        """The agents in the batch now."""
+        with self._cv:
+            return [r.agent for r in self._batch]
+
+    def close(self, grace_s: float) -> None:
+        """Stop: queued DECODEs that have not begun are CANCELLED now, the running ones
+        within grace_s (rolled back like a disconnect)."""
+        with self._cv:
+            self._closed, self._deadline = True, time.monotonic() + grace_s
+            self._cv.notify_all()
+
+    def stop(self) -> None:
+        """End the thread (after every pool was closed through call())."""
+        with self._cv:
+            self._exit = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def forget_model(self, file_key: str) -> None:
+        """The model was freed (its last agent left): drop its pools, whose contexts went
+        with it."""
+        for key in [k for k in self.pools if k[0] == file_key]:
+            pool = self.pools.pop(key)
+            if pool.ctx is not None:
+                pool.ctx.close()
+                pool.ctx = None
+            if self.live is pool:
+                self.live = None
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="lmxd-scheduler", daemon=True)
+            self._thread.start()
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._ready_ops() or self._waiting or self._batch or self._exit):
+                    self._cv.wait(timeout=0.5 if self._ops else None)
+                if self._exit and not self._ops:
+                    return
+                ops = self._ready_ops()
+                for op in ops:
+                    self._ops.remove(op)
+            for op in ops:
+                self._run_op(op)
+            try:
+                self._tick()
+            except Exception:      # a bug, not a request's failure: keep serving the others
+                log.exception("scheduler step failed")
+                for run in self._waiting + self._batch:
+                    self._finish(run, error=RuntimeError("the scheduler failed; see the daemon's log"))
+
+    def _ready_ops(self) -> list[_Op]:
+        busy = {id(r.agent) for r in self._waiting + self._batch}
+        return [op for op in self._ops if op.agent is None or id(op.agent) not in busy]
+
+    @staticmethod
+    def _run_op(op: _Op) -> None:
+        try:
+            op.result = op.fn()
+        except BaseException as exc:
+            op.error = exc
+        op.done.set()
+
+    def _tick(self) -> None:
+        self._drop_stopped()
+        pool = self._choose_pool()
+        if pool is None:
+            return
+        if pool is not self.live or not pool.is_open or pool.scrambled:
+            self._switch(pool)     # (a scrambled exact pool is rebuilt: its cells are out of order)
+        self._join()
+        if self._batch:
+            self._step()
+
+    def _drop_stopped(self) -> None:
+        past = self._deadline is not None and time.monotonic() >= self._deadline
+        for run in list(self._waiting + self._batch):
+            if self._closed and not run.began:
+                self._finish(run, error=Stopping())
+            elif past or run.should_stop():
+                self._cancel(run)
+
+    # ---- which pool, which runs ------------------------------------------------------------
+    def _order(self, run: Run) -> tuple[float, int]:
+        return self._used.get(run.owner, 0.0), run.arrival
+
+    def _choose_pool(self) -> Pool | None:
+        """The live pool while its turn lasts; then the pool of the waiting run whose user
+        has used the least, if that user has used less than every user in the batch."""
+        if not self._waiting and not self._batch:
+            return None
+        elsewhere = [r for r in self._waiting if self.live is None or r.pool_key != self.live.key]
+        if self._batch:
+            if not elsewhere or time.monotonic() - self._turn_began < SLICE_SECONDS:
+                return self.live
+            best = min(elsewhere, key=self._order)
+            here = min(self._used.get(r.owner, 0.0) for r in self._batch)
+            return self._pool(best) if self._used.get(best.owner, 0.0) < here else self.live
+        best = min(self._waiting, key=self._order)
+        here = [r for r in self._waiting if self.live is not None and r.pool_key == self.live.key]
+        if here and self._used.get(min(here, key=self._order).owner, 0.0) <= self._used.get(best.owner, 0.0):
+            return self.live          # as entitled as anyone: no switch
+        return self._pool(best)
+
+    def _pool(self, run: Run) -> Pool:
+        key = run.pool_key
+        if key not in self.pools:
+            self.pools[key] = self.host.open_pool(key, run.agent.loaded)
+        return self.pools[key]
+
+    def _switch(self, pool: Pool) -> None:
+        """Make `pool` live: the batch leaves (its runs wait to rejoin), the live pool's
+        agents are paused to host RAM and its context freed; `pool` opens sized for
+        every agent registered for it now."""
+        t0 = time.perf_counter()
+        for run in list(self._batch):
+            self._to_waiting(run)
+        if self.live is not None and self.live.is_open:
+            last = self.live.last
+            paused = self.live.close()
+            self._switch_evicted = last if last in paused else (paused[-1] if paused else None)
+        self.live = pool
+        pool.open(self.host.agents_of(pool.key))
+        self._turn_began = time.monotonic()
+        cost = time.perf_counter() - t0
+        for run in self._waiting:
+            if run.pool_key == pool.key:
+                run.swap_s += cost
+        self._charge([r.owner for r in self._waiting if r.pool_key == pool.key][:1], cost)
+
+    def _to_waiting(self, run: Run) -> None:
+        if run in self._batch:
+            self._batch.remove(run)
+        run.since = time.perf_counter()
+        self._waiting.append(run)
+
+    def _join(self) -> None:
+        """Seat the waiting runs of the live pool, the least-used user first; one DECODE of
+        an agent at a time."""
+        pool = self.live
+        busy = {id(r.agent) for r in self._batch}
+        for run in sorted((r for r in self._waiting if r.pool_key == pool.key), key=self._order):
+            if id(run.agent) in busy or self._earlier_run_of(run):
+                continue
+            if pool.seat_of(run.agent) is None and not self._make_room(pool, run):
+                continue
+            busy.add(id(run.agent))
+            self._waiting.remove(run)
+            run.queued_s += time.perf_counter() - run.since
+            try:
+                if pool.seat_of(run.agent) is None:
+                    entry = pool.seat(run.agent)
+                    run.swap_s += entry.swap_s
+                    run.restored |= entry.restored
+                    run.forked |= entry.forked
+                    self._charge([run.owner], entry.swap_s)
+                if not run.began:
+                    self.host.begin(run)
+                    run.evicted = run.evicted or self._switch_evicted
+                    run.sampler = Sampler()
+            except Exception as exc:
+                self._finish(run, error=exc)
+                continue
+            run.slices += 1
+            run.slice_tokens = 0
+            self._batch.append(run)
+        self._switch_evicted = None
+
+    def _earlier_run_of(self, run: Run) -> bool:
+        return any(r.agent is run.agent and r.arrival < run.arrival for r in self._waiting)
+
+    def _make_room(self, pool: Pool, run: Run) -> bool:
+        """Free a seat for `run`'s agent: pause idle residents (least recently used first);
+        reopen the pool larger if agents were registered since it opened (its runs rejoin
+        at once); else, if the batch is full of runs whose slice is over, the one of the
+        user who has used the most gives its seat up. False when `run` must wait."""
+        if pool.fits(run.agent):
+            return True
+        in_batch = {id(r.agent) for r in self._batch}
+        idle = sorted((s for s in pool.seats.values() if id(s.agent) not in in_batch),
+                      key=lambda s: s.agent.last_used)
+        for seat in idle:
+            pool.unseat(seat.agent, pause=True)
+            run.evicted = run.evicted or seat.agent
+            if pool.fits(run.agent):
+                return True
+        if pool.undersized(self.host.agents_of(pool.key)):
+            self._switch(pool)     # agents registered since it opened: reopen it larger
+            return pool.fits(run.agent)
+        done = [r for r in self._batch if r.slice_tokens >= SLICE_TOKENS
+                and self._used.get(r.owner, 0.0) > self._used.get(run.owner, 0.0)]
+        if done:
+            self._to_waiting(max(done, key=self._order))
+        return False
+
+    # ---- one step ---------------------------------------------------------------------------
+    def _step(self) -> None:
+        """One llama_decode for the whole batch: one token of each decoding run first,
+        then the chunks of prompts and re-reads in what is left of n_batch."""
+        pool = self.live
+        ctx = pool.ctx
+        if self._step_batch is None or self._step_batch.capacity != ctx.n_batch:
+            self._step_batch = Batch(ctx.n_batch)
+        batch, budget, plan = self._step_batch.clear(), ctx.n_batch, []
+        for run in sorted(self._batch, key=lambda r: (self._input_len(pool, r) > 1, r.arrival)):
+            seat = pool.seat_of(run.agent)
+            wanted = run.agent.history[seat.kv_len:] + run.feed
+            take = wanted[:budget]
+            if not take:
+                continue
+            last = len(take) == len(wanted)
+            row = batch.add_sequence(take, seat.kv_len, seat.seq, logits_last=last)
+            plan.append((run, seat, len(take), row if last else -1))
+            budget -= len(take)
+        t0 = time.perf_counter()
+        try:
+            ctx.decode(batch)
+        except Exception as exc:
+            for run, *_ in plan:
+                self._fail(run, exc)
+            return
+        self._charge([run.owner for run, *_ in plan], time.perf_counter() - t0)
+        for run, seat, n, row in plan:
+            run.batch_max = max(run.batch_max, len(plan))
+            self._advance(run, seat, n)
+            pool.last = run.agent
+            if row >= 0:
+                self._sample(run, ctx, row)
+
+    @staticmethod
+    def _input_len(pool: Pool, run: Run) -> int:
+        return len(run.agent.history) - pool.seat_of(run.agent).kv_len + len(run.feed)
+
+    @staticmethod
+    def _advance(run: Run, seat, n: int) -> None:
+        """n more tokens of the run's input have their KV in the sequence."""
+        agent = run.agent
+        from_feed = max(0, n - (len(agent.history) - seat.kv_len))
+        agent.history += run.feed[:from_feed]
+        del run.feed[:from_feed]
+        seat.kv_len += n
+
+    def _sample(self, run: Run, ctx, row: int) -> None:
+        token = run.sampler.sample(ctx, row)
+        model = run.agent.loaded.model
+        if model.is_eog(token):
+            run.stopped_on_eog = True
+            self._finish(run)
+            return
+        run.generated.append(token)
+        run.slice_tokens += 1
+        if len(run.generated) >= run.max_tokens:
+            run.agent.pending = token       # decoded with the next prompt
+            self._finish(run)
+        else:
+            run.feed = [token]
+
+    def _charge(self, owners: list[int], seconds: float) -> None:
+        for uid in owners:
+            self._used[uid] = self._used.get(uid, 0.0) + seconds / len(owners)
+
+    # ---- endings ------------------------------------------------------------------------------
+    def _finish(self, run: Run, error: BaseException | None = None) -> None:
+        with self._cv:
+            if run in self._batch:
+                self._batch.remove(run)
+            if run in self._waiting:
+                self._waiting.remove(run)
+        if run.sampler is not None:
+            run.sampler.close()
+            run.sampler = None
+        run.agent.running = False
+        run.agent.last_used = time.monotonic()
+        run.error = error
+        run.done.set()
+
+    def _cancel(self, run: Run) -> None:
+        """The client left or the daemon stops: the DECODE is undone."""
+        try:
+            if run.began:
+                self._roll_back(run)
+        except Exception as exc:
+            self._finish(run, error=exc)
+            return
+        run.cancelled = True
+        self._finish(run)
+
+    def _fail(self, run: Run, exc: BaseException) -> None:
+        try:
+            self._roll_back(run)
+        except Exception as reset:
+            exc = reset
+        self._finish(run, error=exc)
+
+    def _roll_back(self, run: Run) -> None:
+        """Put the agent back as it was before the DECODE, seated or paused."""
+        agent = run.agent
+        agent.history, agent.pending = agent.history[:run.n_history], run.pending
+        pool = self.live if self.live is not None and self.live.key == run.pool_key else None
+        seat = pool.seat_of(agent) if pool is not None and pool.is_open else None
+        if seat is not None:
+            try:
+                pool.trim(seat, run.n_history)
+            except Exception as exc:
+                pool.unseat(agent, pause=False)
+                self.host.forget_conversation(agent)
+                raise self.host.reset_error(agent, exc) from exc
+        else:
+            self.host.rewind_paused(agent)
