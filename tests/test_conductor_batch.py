@@ -1,0 +1,133 @@
+"""lmxd decodes agents of one model together: one pool (context) per model, a sequence per
+agent, one llama_decode per step for every running DECODE. KV moves only between models;
+a disconnect rolls back its own agent only; a full batch seats the least-served user
+first; agents registered after their pool opened still join its batch."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from lmxd_daemon import Daemon, eventually, wait_decoding
+from swarmkv_ffi.conductor import pool as pool_module
+from swarmkv_ffi.conductor.agents import Conductor
+from swarmkv_ffi.conductor.ledger import Ledger
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def at_once(d: Daemon, calls: list[tuple[str, int, str]]) -> list[dict]:
+    """DECODE (agent, max_tokens, prompt) for each call at the same time, one connection each."""
+    replies: list[dict | None] = [None] * len(calls)
+    clients = [d.client() for _ in calls]
+
+    def go(i):
+        agent, n, prompt = calls[i]
+        replies[i] = clients[i].decode(agent, n, prompt)
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    for c in clients:
+        c.close()
+    return replies
+
+
+def tokens(c, agent_id: str) -> int:
+    return int(next(a for a in c.list() if a["agent_id"] == agent_id)["tokens"])
+
+
+def test_same_model_agents_share_one_batch_and_move_no_kv(tmp_path):
+    with Daemon(tmp_path) as d, d.client() as c:
+        for i in range(4):
+            c.register(f"a{i}", "smollm2-135m", n_ctx=256)
+        replies = at_once(d, [(f"a{i}", 12, f"Story {i}: once upon a time") for i in range(4)])
+        assert all(r["fields"]["kv_swap_evicted"] == "-" for r in replies)
+        assert max(int(r["fields"]["batch"]) for r in replies) >= 2, [r["fields"] for r in replies]
+        again = [c.decode(f"a{i}", 4, " Then") for i in range(4)]        # one after another
+        assert all(r["fields"]["kv_swap_evicted"] == "-" and r["fields"]["kv_swap_restored"] == "false"
+                   for r in again)
+        assert all(a["state"] == "active" and a["kv_host_bytes"] == "0" for a in c.list())
+        assert c.status()["fields"]["swap_allocated_bytes"] == "0"
+
+
+def test_two_models_interleaved_swap_only_between_models(tmp_path):
+    models = {"s0": "smollm2-135m", "s1": "smollm2-135m", "g0": "gemma3-270m", "g1": "gemma3-270m"}
+    with Daemon(tmp_path) as d, d.client() as c:
+        for name, model in models.items():
+            c.register(name, model, n_ctx=256)
+        evicted = []
+        for _ in range(2):
+            for name in models:
+                evicted.append((name, c.decode(name, 3, "Hello")["fields"]["kv_swap_evicted"]))
+        swaps = [(who, gone) for who, gone in evicted if gone != "-"]
+        assert all(models[who] != models[gone] for who, gone in swaps), evicted
+        assert [who for who, _ in swaps] == ["g0", "s0", "g0"], evicted   # each first of its model
+
+
+def test_a_disconnect_mid_batch_rolls_back_only_its_agent(tmp_path):
+    with Daemon(tmp_path) as d, d.client() as c:
+        c.register("stays", "smollm2-135m", n_ctx=1024)
+        c.register("leaves", "smollm2-135m", n_ctx=1024)
+        c.decode("leaves", 3, "Start")
+        before = tokens(c, "leaves")
+        s = d.raw_socket()
+        s.sendall(b"DECODE leaves 600 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,\n")
+        wait_decoding(d, "leaves")
+        result = {}
+        t = threading.Thread(target=lambda: result.update(r=d.client().decode("stays", 40, "Count: 1, 2,")))
+        t.start()
+        eventually(lambda: set(c.status()["fields"]["decoding"].split(",")) == {"leaves", "stays"},
+                   what="both DECODEs in one batch")
+        s.close()                                      # mid-DECODE, while "stays" runs beside it
+        t.join(timeout=300)
+        assert int(result["r"]["fields"]["generated_tokens"]) == 40
+        assert tokens(c, "leaves") == before
+        reply = c.decode("leaves", 2, "again")
+        assert tokens(c, "leaves") == before + int(reply["fields"]["prompt_tokens"]) + 2
+        assert d.logs().count("DECODE leaves CANCELLED") == 1
+
+
+def test_agents_registered_after_their_pool_opened_join_its_batch(tmp_path):
+    with Daemon(tmp_path) as d, d.client() as c:
+        c.register("first", "smollm2-135m", n_ctx=256)
+        c.decode("first", 2, "Hi")                     # the pool opens for one agent
+        for i in range(3):
+            c.register(f"late{i}", "smollm2-135m", n_ctx=256)
+        replies = at_once(d, [(f"late{i}", 16, "Once upon a time") for i in range(3)] + [("first", 16, " and")])
+        assert all(int(r["fields"]["generated_tokens"]) >= 1 for r in replies)
+        assert max(int(r["fields"]["batch"]) for r in replies) >= 3, [r["fields"] for r in replies]
+
+
+@pytest.mark.slow
+def test_a_full_batch_seats_the_least_served_user_first(monkeypatch):
+    """Two seats (MAX_SEQS lowered), user A's two long DECODEs hold them; user B's DECODE
+    takes the seat of one of A's after its slice and finishes first; A's DECODE that gave
+    its seat up continues (two slices) and completes."""
+    monkeypatch.setattr(pool_module, "MAX_SEQS", 2)
+    c = Conductor(Ledger(lambda: 1 << 40), n_threads=1)
+    A, B = 1000, 1001
+    try:
+        for name in ("a0", "a1"):
+            c.register(name, "smollm2-135m", n_ctx=512, owner=A)
+        c.register("b0", "smollm2-135m", n_ctx=512, owner=B)
+        done, replies = [], {}
+
+        def run(name, owner, n):
+            replies[name] = c.decode(name, n, "Count: 1, 2, 3,", owner=owner)
+            done.append(name)
+        threads = [threading.Thread(target=run, args=(n, A, 160)) for n in ("a0", "a1")]
+        for t in threads:
+            t.start()
+        eventually(lambda: len(c.scheduler.decoding()) == 2, what="A's two DECODEs in the batch")
+        b = threading.Thread(target=run, args=("b0", B, 8))
+        b.start()
+        for t in threads + [b]:
+            t.join(timeout=300)
+        assert done[0] == "b0", done
+        assert replies["b0"].generated_tokens == 8 and replies["b0"].slices == 1
+        assert all(replies[n].generated_tokens == 160 for n in ("a0", "a1"))
+        assert max(replies[n].slices for n in ("a0", "a1")) >= 2
+    finally:
+        c.close()
