@@ -131,3 +131,53 @@ def test_a_full_batch_seats_the_least_served_user_first(monkeypatch):
         assert max(replies[n].slices for n in ("a0", "a1")) >= 2
     finally:
         c.close()
+
+
+def test_a_prompt_trie_adds_common_tokens_once_in_every_sequence_through_them():
+    from swarmkv_ffi.batch import Batch
+    from swarmkv_ffi.conductor.common_prompts import PromptTrie
+    trie = PromptTrie([("a", 0, [1, 2, 3, 4]), ("b", 1, [1, 2, 5]), ("c", 2, [1, 2]), ("d", 3, [9])])
+    assert trie.size == 6                    # 1 2 (shared by a b c), 3 4 (a), 5 (b), 9 (d)
+    batch = Batch(16, 4)
+    rows = trie.add_to(batch, 10)
+    n = batch.n_tokens
+    got = [(int(batch.token[i]), int(batch.pos[i]), sorted(batch.seq_id[i, :batch.n_seq_id[i]].tolist()),
+            bool(batch.logits[i])) for i in range(n)]
+    assert got == [(1, 10, [0, 1, 2], False), (2, 11, [0, 1, 2], True), (3, 12, [0], False),
+                   (4, 13, [0], True), (5, 12, [1], True), (9, 10, [3], True)]
+    assert rows == {"c": 1, "a": 3, "b": 4, "d": 5}   # c ends on the shared row: it samples there
+
+
+def test_decodes_starting_together_prefill_their_common_prompt_tokens_once(monkeypatch):
+    from swarmkv_ffi.context import Context
+    c = Conductor(Ledger(lambda: 1 << 40), n_threads=1)
+    try:
+        prompts = [f"You are a careful assistant. Question {i}: what is {i} plus {i}?" for i in range(4)]
+        for i in range(4):
+            c.register(f"a{i}", "smollm2-135m", n_ctx=256)
+        tokenized = [[int(t) for t in c.get("a0").loaded.model.tokenize(p, add_special=True)] for p in prompts]
+        lengths = [len(t) for t in tokenized]
+        common = next(k for k in range(min(lengths)) if len({tuple(t[:k + 1]) for t in tokenized}) > 1)
+        sizes, real = [], Context.decode
+
+        def counting(self, batch):
+            sizes.append(batch.n_tokens)
+            return real(self, batch)
+        monkeypatch.setattr(Context, "decode", counting)
+        gate = threading.Barrier(4)
+        replies = {}
+
+        def go(i):
+            gate.wait()
+            replies[i] = c.decode(f"a{i}", 4, prompts[i])
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert all(replies[i].batch == 4 and replies[i].generated_tokens >= 1 for i in range(4))
+        assert common >= 5 and sizes[0] == sum(lengths) - 3 * common   # the common opening went in once
+        for i in range(4):                   # each conversation holds its whole prompt
+            assert c.get(f"a{i}").history[:lengths[i]] == tokenized[i]
+    finally:
+        c.close()

@@ -31,6 +31,7 @@ from typing import Callable
 
 from ..batch import Batch
 from ..sampler import Sampler
+from .common_prompts import PromptTrie
 from .pool import Pool
 
 log = logging.getLogger("lmxd")
@@ -69,6 +70,7 @@ class Run:
     evicted: object | None = None     # the agent paused to make room for this one
     restored: bool = False
     forked: bool = False
+    stepped: bool = False         # it has been in a step (its prompt is no longer whole)
     slices: int = 0
     slice_tokens: int = 0
     batch_max: int = 0
@@ -353,14 +355,25 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------
     def _step(self) -> None:
-        """One llama_decode for the whole batch: one token of each decoding run first,
-        then the chunks of prompts and re-reads in what is left of n_batch."""
+        """One llama_decode for the whole batch: the prompts of DECODEs starting together
+        with their common tokens once (common_prompts.py), one token of each decoding run,
+        then the chunks of other prompts and re-reads in what is left of n_batch."""
         pool = self.live
         ctx = pool.ctx
-        if self._step_batch is None or self._step_batch.capacity != ctx.n_batch:
-            self._step_batch = Batch(ctx.n_batch)
+        if self._step_batch is None or self._step_batch.capacity != ctx.n_batch \
+                or self._step_batch.n_seq_max != ctx.n_seq_max:
+            self._step_batch = Batch(ctx.n_batch, ctx.n_seq_max)
         batch, budget, plan = self._step_batch.clear(), ctx.n_batch, []
-        for run in sorted(self._batch, key=lambda r: (self._input_len(pool, r) > 1, r.arrival)):
+        groups, rest = self._starting_together(pool)
+        for group in groups:
+            trie = PromptTrie([(id(run), seat.seq, run.feed) for run, seat in group])
+            if trie.size > budget:
+                rest += [run for run, _ in group]
+                continue
+            rows = trie.add_to(batch, group[0][1].kv_len)
+            plan += [(run, seat, len(run.feed), rows[id(run)]) for run, seat in group]
+            budget -= trie.size
+        for run in sorted(rest, key=lambda r: (self._input_len(pool, r) > 1, r.arrival)):
             seat = pool.seat_of(run.agent)
             wanted = run.agent.history[seat.kv_len:] + run.feed
             take = wanted[:budget]
@@ -380,10 +393,32 @@ class Scheduler:
         self._charge([run.owner for run, *_ in plan], time.perf_counter() - t0)
         for run, seat, n, row in plan:
             run.batch_max = max(run.batch_max, len(plan))
+            run.stepped = True
             self._advance(run, seat, n)
             pool.last = run.agent
             if row >= 0:
                 self._sample(run, ctx, row)
+
+    def _starting_together(self, pool: Pool) -> tuple[list[list], list[Run]]:
+        """Groups (two or more) of (run, seat) taking their first step from the same
+        point (a fresh conversation, or exactly their shared document) whose prompts may
+        share tokens; the other runs."""
+        groups: dict = {}
+        rest = []
+        for run in self._batch:
+            agent, seat = run.agent, pool.seat_of(run.agent)
+            base = agent.prefix.n_tokens if agent.prefix is not None else 0
+            if run.stepped or seat.kv_len != len(agent.history) or len(agent.history) != base:
+                rest.append(run)
+            else:
+                groups.setdefault(agent.prefix.key if agent.prefix else None, []).append((run, seat))
+        shared = []
+        for group in groups.values():
+            if len(group) > 1:
+                shared.append(group)
+            else:
+                rest.append(group[0][0])
+        return shared, rest
 
     @staticmethod
     def _input_len(pool: Pool, run: Run) -> int:
