@@ -49,7 +49,10 @@ def test_same_model_agents_share_one_batch_and_move_no_kv(tmp_path):
         assert all(r["fields"]["kv_swap_evicted"] == "-" and r["fields"]["kv_swap_restored"] == "false"
                    for r in again)
         assert all(a["state"] == "active" and a["kv_host_bytes"] == "0" for a in c.list())
-        assert c.status()["fields"]["swap_allocated_bytes"] == "0"
+        status = c.status()
+        assert status["fields"]["swap_allocated_bytes"] == "0"
+        (pool,) = [line for line in status["lines"] if line.startswith("OK pool ")]
+        assert "seated=4 seqs=4 cells=1024" in pool and "exact=false" in pool, pool
 
 
 def test_two_models_interleaved_swap_only_between_models(tmp_path):

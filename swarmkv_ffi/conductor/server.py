@@ -397,6 +397,12 @@ class Server:
         if every:
             for path, refs, measured in c.registry.snapshot():
                 lines.append("model " + protocol.kv(path=path, refcount=refs, measured_bytes=measured))
+            pool = c.scheduler.live
+            if pool is not None and pool.ctx is not None:   # the live pool: its shared context
+                lines.append("pool " + protocol.kv(model=pool.loaded.name, exact=pool.exact,
+                                                   seated=len(pool.seats), seqs=pool.ctx.n_seq_max,
+                                                   cells=pool.ctx.n_ctx, cells_free=pool.cells_free,
+                                                   documents=len(pool.docs)))
         for p in list(c.prefixes.values()):
             if every or p.key.startswith(f"{uid}:"):
                 lines.append("prefix " + protocol.kv(key=p.key, tokens=p.n_tokens, agents=len(p.agents),
