@@ -184,3 +184,32 @@ def test_decodes_starting_together_prefill_their_common_prompt_tokens_once(monke
             assert c.get(f"a{i}").history[:lengths[i]] == tokenized[i]
     finally:
         c.close()
+
+
+@pytest.mark.slow
+def test_one_users_many_decodes_do_not_slow_another_users_one():
+    """User A keeps four long DECODEs in one batch; user B's short DECODE, sent after A
+    has used the device for a while, runs alone in its steps (A's sit out until B has
+    caught up), and A's DECODEs then complete."""
+    c = Conductor(Ledger(lambda: 1 << 40), n_threads=1)
+    A, B = 1000, 1001
+    try:
+        for i in range(4):
+            c.register(f"a{i}", "smollm2-135m", n_ctx=512, owner=A)
+        c.register("b", "smollm2-135m", n_ctx=512, owner=B)
+        replies = {}
+
+        def run(name, owner, n):
+            replies[name] = c.decode(name, n, "Count: 1, 2, 3,", owner=owner)
+        threads = [threading.Thread(target=run, args=(f"a{i}", A, 120)) for i in range(4)]
+        for t in threads:
+            t.start()
+        eventually(lambda: c.scheduler._used.get(A, 0.0) > 1.5, what="A to use the device")
+        run("b", B, 8)
+        assert replies["b"].generated_tokens == 8 and replies["b"].batch == 1, replies["b"]
+        assert not all(name in replies for name in ("a0", "a1", "a2", "a3"))   # B did not wait for them
+        for t in threads:
+            t.join(timeout=300)
+        assert all(replies[f"a{i}"].generated_tokens == 120 and replies[f"a{i}"].batch == 4 for i in range(4))
+    finally:
+        c.close()

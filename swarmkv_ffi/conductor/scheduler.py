@@ -7,7 +7,9 @@ re-read), then samples each run's next token. A new DECODE joins at the next ste
 finished one leaves: continuous batching, as llama-server's slots, under lmxd's ledger.
 
 Fair between users by time, as the compute slot was: each step's time is shared among
-the users whose runs were in it. The waiting run of the user who has used the least goes
+the runs in it, and a user who has used SLICE_SECONDS more than another in the batch sits
+steps out until that one catches up (so many DECODEs do not buy one user more of the
+device than another's one). The waiting run of the user who has used the least goes
 first (ties: arrival) when joining a full batch or when another pool is to be served; a
 run that has taken SLICE_TOKENS tokens gives its seat up to such a user, and a pool is
 left after SLICE_SECONDS for one, so no DECODE holds the device forever. A run that gave
@@ -364,7 +366,7 @@ class Scheduler:
                 or self._step_batch.n_seq_max != ctx.n_seq_max:
             self._step_batch = Batch(ctx.n_batch, ctx.n_seq_max)
         batch, budget, plan = self._step_batch.clear(), ctx.n_batch, []
-        groups, rest = self._starting_together(pool)
+        groups, rest = self._starting_together(pool, self._in_step())
         for group in groups:
             trie = PromptTrie([(id(run), seat.seq, run.feed) for run, seat in group])
             if trie.size > budget:
@@ -399,13 +401,25 @@ class Scheduler:
             if row >= 0:
                 self._sample(run, ctx, row)
 
-    def _starting_together(self, pool: Pool) -> tuple[list[list], list[Run]]:
+    def _in_step(self) -> list[Run]:
+        """The runs this step serves: all of them, except that a user who has used more
+        than SLICE_SECONDS beyond the least-served user in the batch sits steps out until
+        that user catches up. A step's time grows with its rows (on a CPU nearly in
+        proportion), so one user's many DECODEs would otherwise take the device from
+        another's one, and slow each of its steps."""
+        owners = {r.owner for r in self._batch}
+        if len(owners) < 2:
+            return list(self._batch)
+        floor = min(self._used.get(u, 0.0) for u in owners)
+        return [r for r in self._batch if self._used.get(r.owner, 0.0) <= floor + SLICE_SECONDS]
+
+    def _starting_together(self, pool: Pool, runs: list[Run]) -> tuple[list[list], list[Run]]:
         """Groups (two or more) of (run, seat) taking their first step from the same
         point (a fresh conversation, or exactly their shared document) whose prompts may
         share tokens; the other runs."""
         groups: dict = {}
         rest = []
-        for run in self._batch:
+        for run in runs:
             agent, seat = run.agent, pool.seat_of(run.agent)
             base = agent.prefix.n_tokens if agent.prefix is not None else 0
             if run.stepped or seat.kv_len != len(agent.history) or len(agent.history) != base:
