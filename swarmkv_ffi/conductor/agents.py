@@ -69,7 +69,7 @@ class SharedPrefix:
         return len(self.tokens)
 
 
-@dataclass
+@dataclass(eq=False)       # an agent is itself, not its fields: compared by identity
 class Agent:
     id: str
     model_name: str
@@ -88,7 +88,6 @@ class Agent:
     prefix: SharedPrefix | None = None    # the document it starts from (REGISTER prefix=)
     replay: bool = False                  # paused without a snapshot: re-read history on resume
     running: bool = False                 # a DECODE of it has begun and not ended
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def key(self) -> str:

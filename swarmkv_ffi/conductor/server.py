@@ -373,10 +373,9 @@ class Server:
         limit, allocated = c.ledger.limit(), c.ledger.allocated
         every = self._sees_all(uid)
         visible = c.owned_by(None if every else uid)
-        seen = {id(a) for a in visible}
         pool = c.scheduler.live
         live = pool.last if pool is not None else None
-        decoding = [a.id for a in c.scheduler.decoding() if id(a) in seen]
+        decoding = [a.id for a in c.scheduler.decoding() if a in visible]
         lines = [
             protocol.kv(ledger_max_bytes=limit, ledger_allocated_bytes=allocated,
                         ledger_free_bytes=max(0, limit - allocated)),
@@ -385,7 +384,7 @@ class Server:
                         budget_fixed=self.memory.budget_bytes is not None),
             protocol.kv(swap_max_bytes=c.swap.limit(), swap_allocated_bytes=c.swap.allocated),
             protocol.kv(agents=len(visible), decode_queue=c.scheduler.waiting(None if every else uid),
-                        live_agent=live.id if id(live) in seen else None,
+                        live_agent=live.id if live in visible else None,
                         decoding=",".join(decoding) or None,
                         uptime_s=round(time.time() - self.started, 1)),
         ]
