@@ -213,3 +213,26 @@ def test_one_users_many_decodes_do_not_slow_another_users_one():
         assert all(replies[f"a{i}"].generated_tokens == 120 and replies[f"a{i}"].batch == 4 for i in range(4))
     finally:
         c.close()
+
+
+def test_a_pool_whose_context_cannot_be_made_fails_its_decodes_and_nothing_else(monkeypatch):
+    from swarmkv_ffi.errors import ContextError
+    c = Conductor(Ledger(lambda: 1 << 40), n_threads=1)
+    try:
+        c.register("s", "smollm2-135m", n_ctx=256)
+        c.register("g", "gemma3-270m", n_ctx=256)
+        real, refusing = c._new_context, [True]
+
+        def refuse_smollm(loaded, n_ctx, n_seqs=1, exact=False):
+            if refusing[0] and "SmolLM2" in loaded.name:
+                raise ContextError("injected: no memory for the pool")
+            return real(loaded, n_ctx, n_seqs, exact)
+        monkeypatch.setattr(c, "_new_context", refuse_smollm)
+        with pytest.raises(ContextError, match="injected"):
+            c.decode("s", 4, "Hello")
+        assert c.decode("g", 3, "Hello").generated_tokens >= 1      # another model's pool works
+        refusing[0] = False
+        assert c.decode("s", 3, "Hello").generated_tokens >= 1      # and this one, once it can open
+        assert c.get("s").history and c.get("s").state == "active"
+    finally:
+        c.close()

@@ -228,7 +228,17 @@ class Scheduler:
         if pool is None:
             return
         if pool is not self.live or not pool.is_open or pool.scrambled:
-            self._switch(pool)     # (a scrambled exact pool is rebuilt: its cells are out of order)
+            try:
+                self._switch(pool)     # (a scrambled exact pool is rebuilt: its cells are out of order)
+            except Exception as exc:   # its context could not be made: its DECODEs fail, not the rest
+                log.exception("opening a pool failed")
+                self.live = None
+                for run in [r for r in self._waiting if r.pool_key == pool.key]:
+                    if run.began:
+                        self._fail(run, exc)
+                    else:
+                        self._finish(run, error=exc)
+                return
         self._join()
         if self._batch:
             self._step()
