@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from lmxd_daemon import Daemon, eventually, wait_decoding
+from swarmkv_ffi.bench.measure import at_once
 from swarmkv_ffi.conductor import pool as pool_module
 from swarmkv_ffi.conductor.agents import Conductor
 from swarmkv_ffi.conductor.ledger import Ledger
@@ -16,22 +17,14 @@ from swarmkv_ffi.conductor.ledger import Ledger
 pytestmark = pytest.mark.timeout(600)
 
 
-def at_once(d: Daemon, calls: list[tuple[str, int, str]]) -> list[dict]:
+def decode_at_once(d: Daemon, calls: list[tuple[str, int, str]]) -> list[dict]:
     """DECODE (agent, max_tokens, prompt) for each call at the same time, one connection each."""
-    replies: list[dict | None] = [None] * len(calls)
     clients = [d.client() for _ in calls]
-
-    def go(i):
-        agent, n, prompt = calls[i]
-        replies[i] = clients[i].decode(agent, n, prompt)
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    for c in clients:
-        c.close()
-    return replies
+    try:
+        return at_once([lambda c=c, call=call: c.decode(*call) for c, call in zip(clients, calls)])[1]
+    finally:
+        for c in clients:
+            c.close()
 
 
 def tokens(c, agent_id: str) -> int:
@@ -42,7 +35,7 @@ def test_same_model_agents_share_one_batch_and_move_no_kv(tmp_path):
     with Daemon(tmp_path) as d, d.client() as c:
         for i in range(4):
             c.register(f"a{i}", "smollm2-135m", n_ctx=256)
-        replies = at_once(d, [(f"a{i}", 12, f"Story {i}: once upon a time") for i in range(4)])
+        replies = decode_at_once(d, [(f"a{i}", 12, f"Story {i}: once upon a time") for i in range(4)])
         assert all(r["fields"]["kv_swap_evicted"] == "-" for r in replies)
         assert max(int(r["fields"]["batch"]) for r in replies) >= 2, [r["fields"] for r in replies]
         again = [c.decode(f"a{i}", 4, " Then") for i in range(4)]        # one after another
@@ -98,7 +91,7 @@ def test_agents_registered_after_their_pool_opened_join_its_batch(tmp_path):
         c.decode("first", 2, "Hi")                     # the pool opens for one agent
         for i in range(3):
             c.register(f"late{i}", "smollm2-135m", n_ctx=256)
-        replies = at_once(d, [(f"late{i}", 16, "Once upon a time") for i in range(3)] + [("first", 16, " and")])
+        replies = decode_at_once(d, [(f"late{i}", 16, "Once upon a time") for i in range(3)] + [("first", 16, " and")])
         assert all(int(r["fields"]["generated_tokens"]) >= 1 for r in replies)
         assert max(int(r["fields"]["batch"]) for r in replies) >= 3, [r["fields"] for r in replies]
 

@@ -6,13 +6,13 @@ together give the tokens they give alone (exact mode)."""
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import pytest
 
 from corpus import LICENCE
 from lmxd_daemon import Daemon
+from swarmkv_ffi.bench.measure import at_once
 from swarmkv_ffi.conductor.access import Access
 from swarmkv_ffi.conductor.agents import ConductorError
 from swarmkv_ffi.conductor.client import LmxError
@@ -106,16 +106,11 @@ def test_agents_decoded_together_give_the_tokens_they_give_alone(tmp_path, doc):
                  for i, n in enumerate(lengths)]
         for i in range(4):
             c.reset(f"a{i}")
-        replies: dict[int, dict] = {}
-
-        def go(i):
-            with d.client() as own:
-                replies[i] = own.decode(f"a{i}", lengths[i], f" Question: {QUESTIONS[i]} Answer:")
-        threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
+        clients = [d.client() for _ in range(4)]
+        _, replies = at_once([lambda i=i: clients[i].decode(f"a{i}", lengths[i], f" Question: {QUESTIONS[i]} Answer:")
+                              for i in range(4)])
+        for own in clients:
+            own.close()
     assert [replies[i]["text"] for i in range(4)] == alone
     assert max(int(replies[i]["fields"]["batch"]) for i in range(4)) >= 2, replies
 

@@ -86,8 +86,6 @@ class Agent:
     history: list[int] = field(default_factory=list)   # tokens whose KV is in the state
     pending: int | None = None            # last generated token, not yet decoded
     prefix: SharedPrefix | None = None    # the document it starts from (REGISTER prefix=)
-    replay: bool = False                  # paused without a snapshot: re-read history on resume
-    running: bool = False                 # a DECODE of it has begun and not ended
 
     @property
     def key(self) -> str:
@@ -315,7 +313,7 @@ class Conductor:
             self._unseat(agent)
             self._free(agent)
             return agent
-        return self._between_steps(leave, agent)
+        return self.scheduler.call(leave, agent)
 
     def _free(self, agent: Agent) -> None:
         """Release everything an agent that left the table holds: its saved KV, its share
@@ -415,7 +413,7 @@ class Conductor:
                                  f"n_ctx {agent.n_ctx}; RESET it or register with a larger n_ctx")
         run.prompt_tokens, run.feed = len(new), tokens
         run.n_history, run.pending = len(agent.history), agent.pending
-        agent.pending, agent.running, run.began = None, True, True
+        agent.pending, run.began = None, True
 
     def agents_of(self, key: tuple[str, bool]) -> list[Agent]:
         """The registered agents a pool serves: one model, exact (prefix) or not."""
@@ -447,15 +445,13 @@ class Conductor:
                 self.swap.reserve(key, max(1, ctx.seq_state_size(seat.seq)),
                                   cap=self._cap(self.swap, self.quotas.swap_share, agent.owner))
             except LedgerDenied:
-                agent.replay = True
+                pass              # it keeps its tokens: its next seat re-reads them
             else:
                 try:
                     agent.saved = Snapshot.capture(ctx, seat.seq, agent.history)
                 except BaseException:
                     self.swap.release(key)
                     raise
-        elif agent.history and agent.prefix is None:
-            agent.replay = True
         agent.state = "suspended" if agent.history else "cold"
 
     def _replayable(self, agent: Agent) -> bool:
@@ -466,15 +462,13 @@ class Conductor:
                 and len(agent.history) - p.n_tokens <= REPLAY_MAX)
 
     def _drop_saved(self, agent: Agent) -> None:
-        agent.saved, agent.replay = None, False
+        agent.saved = None
         self.swap.release(f"swap:{agent.key}")
 
     def rewind_paused(self, agent: Agent) -> None:
         """A DECODE was undone while its agent was paused: a snapshot taken mid-DECODE
         holds too much, so the agent keeps its tokens and re-reads them."""
-        if agent.saved is not None:
-            self._drop_saved(agent)
-            agent.replay = bool(agent.history) and agent.prefix is None
+        self._drop_saved(agent)
         agent.state = "suspended" if agent.history else "cold"
 
     def forget_conversation(self, agent: Agent) -> None:
@@ -492,12 +486,6 @@ class Conductor:
         if pool is not None and pool.is_open and pool.seat_of(agent) is not None:
             pool.unseat(agent, pause=False)
 
-    def _between_steps(self, fn, agent: Agent | None = None):
-        try:
-            return self.scheduler.call(fn, agent)
-        except Stopping:
-            raise ConductorError("CANCELLED", "the daemon is stopping; this request was not run") from None
-
     def reset(self, agent_id: str, owner: int | None = None) -> None:
         """Clear the agent's conversation (a prefix agent goes back to its document), once
         its DECODEs in flight have ended."""
@@ -510,7 +498,7 @@ class Conductor:
             agent.last_used = time.monotonic()
             self._unseat(agent)
             self.forget_conversation(agent)
-        self._between_steps(clear, agent)
+        self.scheduler.call(clear, agent)
 
     def shutdown(self, grace_s: float) -> None:
         """Stop: queued DECODEs are CANCELLED now, the running ones within grace_s (rolled
@@ -521,9 +509,7 @@ class Conductor:
         """Free everything (after shutdown, or in-process use)."""
         def close_pools() -> None:
             for pool in self.scheduler.pools.values():
-                if pool.is_open:
-                    pool.ctx.close()
-                    pool.ctx = None
+                pool.discard()
             self.scheduler.live = None
         self.scheduler.call(close_pools)
         self.scheduler.stop()

@@ -90,11 +90,16 @@ class Pool:
         """Pause every resident agent and free the context; returns the agents paused."""
         paused = [s.agent for s in self.seats.values()]
         if self.ctx is not None:
-            for seat in list(self.seats.values()):
-                self.unseat(seat.agent, pause=True)
+            for seat in self.seats.values():
+                self._pause(seat.agent, self.ctx, seat)
+        self.discard()
+        return paused
+
+    def discard(self) -> None:
+        """Free the context without pausing anyone (the daemon stops, or the model went)."""
+        if self.ctx is not None:
             self.ctx.close()
         self.ctx, self.seats, self.docs = None, {}, {}
-        return paused
 
     @property
     def is_open(self) -> bool:
@@ -146,7 +151,6 @@ class Pool:
             self.ctx.seq_rm(seq)
             self.free_seqs.append(seq)
             raise
-        agent.replay = False
         self.seats[agent.key] = Seat(seq, agent, kv_len, cells)
         self.cells_free -= cells
         agent.state = "active"

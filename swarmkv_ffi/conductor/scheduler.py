@@ -177,9 +177,7 @@ class Scheduler:
         with it."""
         for key in [k for k in self.pools if k[0] == file_key]:
             pool = self.pools.pop(key)
-            if pool.ctx is not None:
-                pool.ctx.close()
-                pool.ctx = None
+            pool.discard()
             if self.live is pool:
                 self.live = None
 
@@ -351,11 +349,13 @@ class Scheduler:
         in_batch = {id(r.agent) for r in self._batch}
         idle = sorted((s for s in pool.seats.values() if id(s.agent) not in in_batch),
                       key=lambda s: s.agent.last_used)
-        for seat in idle:
-            pool.unseat(seat.agent, pause=True)
-            run.evicted = run.evicted or seat.agent
-            if pool.fits(run.agent):
-                return True
+        seqs, cells = pool.need(run.agent)
+        if len(pool.free_seqs) + len(idle) >= seqs and pool.cells_free + sum(s.cells for s in idle) >= cells:
+            for seat in idle:          # pausing them all would make room: pause only as many as needed
+                pool.unseat(seat.agent, pause=True)
+                run.evicted = run.evicted or seat.agent
+                if pool.fits(run.agent):
+                    return True
         if pool.undersized(self.host.agents_of(pool.key)):
             self._switch(pool)     # agents registered since it opened: reopen it larger
             return pool.fits(run.agent)
@@ -486,7 +486,6 @@ class Scheduler:
         if run.sampler is not None:
             run.sampler.close()
             run.sampler = None
-        run.agent.running = False
         run.agent.last_used = time.monotonic()
         run.error = error
         run.done.set()
