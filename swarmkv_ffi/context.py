@@ -150,6 +150,13 @@ class Context(Owned):
     def n_seq_max(self) -> int:
         return self._lib.llama_n_seq_max(self.handle)
 
+    def memory_bytes(self) -> tuple[int, int]:
+        """(KV cache and other per-context state, compute buffers) in bytes, as libllama
+        accounts this context alone (patch 0004); the model's weights are not in it."""
+        context, compute = ffi.new("size_t *"), ffi.new("size_t *")
+        self._lib.llama_context_memory_bytes(self.handle, context, compute)
+        return int(context[0]), int(compute[0])
+
     # ---- decode and logits ----------------------------------------------------------------
     def decode(self, batch: Batch) -> None:
         """llama_decode, with its return code turned into a named exception."""

@@ -197,7 +197,7 @@ def test_one_users_many_decodes_do_not_slow_another_users_one():
         threads = [threading.Thread(target=run, args=(f"a{i}", A, 120)) for i in range(4)]
         for t in threads:
             t.start()
-        eventually(lambda: c.scheduler._used.get(A, 0.0) > 1.5, what="A to use the device")
+        eventually(lambda: c.scheduler.policy.vtime.get(A, 0.0) > 1.5, what="A to use the device")
         run("b", B, 8)
         assert replies["b"].generated_tokens == 8 and replies["b"].batch == 1, replies["b"]
         assert not all(name in replies for name in ("a0", "a1", "a2", "a3"))   # B did not wait for them

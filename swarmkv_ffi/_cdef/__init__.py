@@ -9,8 +9,9 @@ LLAMA_CPP_COMMIT = "0c1e570"
 #: sdist that carries those sources (sha256 checked by build_llama.sh).
 SOURCE = "llama-cpp-python==0.3.36"
 #: sha256 of the llama.h these declarations were copied from: the pinned header with
-#: kernels/ggml/0001-llama-set-batch-invariant.patch applied (build_llama.sh applies it).
-LLAMA_H_SHA256 = "7f45f9e2c8d192b5873c74fdb871af62e2b19f64b19ca734c72a0a3e092f0d5a"
+#: kernels/ggml/0001-llama-set-batch-invariant.patch and 0004-llama-context-memory-bytes.patch
+#: applied (build_llama.sh applies them).
+LLAMA_H_SHA256 = "7f3bb7c1354cad30bb895a292267c89285cc6b73cb5fb5614931bc8ec4a43e69"
 
 #: Names of the structs whose layout tests/test_cdef_layout.py checks against the header.
 CHECKED_STRUCTS = (

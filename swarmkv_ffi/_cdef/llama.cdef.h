@@ -181,6 +181,7 @@ uint32_t llama_n_seq_max  (const struct llama_context * ctx);
 int32_t  llama_n_threads  (struct llama_context * ctx);
 /* kernels/ggml/0001-llama-set-batch-invariant.patch (ours, not upstream) */
 bool     llama_set_batch_invariant(struct llama_context * ctx, bool on);
+void     llama_context_memory_bytes(const struct llama_context * ctx, size_t * context_bytes, size_t * compute_bytes);
 llama_memory_t llama_get_memory(const struct llama_context * ctx);
 
 const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);

@@ -27,12 +27,12 @@ from .. import catalog
 from ..context import Context
 from ..errors import ModelLoadError, ModelNotFoundError, SwarmKVError
 from ..snapshot import Snapshot, tokens_hash
-from ..procmem import rss_bytes
 from . import sandbox
 from .estimate import Estimate, estimate
 from .ledger import Ledger, LedgerDenied
 from .modelfile import LoadableCopy, ModelFile, ModelSource, check_unchanged, fd_path
 from .quotas import UNLIMITED, Quotas
+from .policy import Policy
 from .pool import Pool, Seat
 from .registry import Loaded, ModelRegistry
 from .scheduler import Run, Scheduler, Stopping
@@ -115,6 +115,11 @@ class DecodeResult:
     forked: bool = False       # it shares its document's cells in the pool
 
 
+def agent_pool_key(agent: Agent) -> tuple[str, bool]:
+    """The pool an agent decodes in: its model file, and exact (prefix agents) or not."""
+    return agent.file.key, agent.prefix is not None
+
+
 def named_source(model: str) -> ModelSource:
     """A model named by a packaged short name (trusted: it skips the sandbox) or by a path
     the daemon may open itself (the operator's own, or one access.py vouched for)."""
@@ -128,7 +133,7 @@ def named_source(model: str) -> ModelSource:
 class Conductor:
     def __init__(self, ledger: Ledger, table: dict[str, int] | None = None, n_threads: int | None = None,
                  swap: Ledger | None = None, agent_ttl: float = 0, quotas: Quotas = UNLIMITED,
-                 admin_uid: int | None = None):
+                 admin_uid: int | None = None, policy: Policy | None = None):
         self.ledger, self.table = ledger, table or {}
         self.swap = swap or Ledger(lambda: 1 << 62, name="SWAP")   # host RAM for paused KV
         self.agent_ttl, self.quotas = agent_ttl, quotas
@@ -138,7 +143,7 @@ class Conductor:
         self._pending: set[tuple[int, str]] = set()   # (owner, id) being registered right now
         self._lock = threading.Lock()
         self._uid_gates: dict[int, threading.Lock] = {}
-        self.scheduler = Scheduler(self)
+        self.scheduler = Scheduler(self, policy)
         self.n_threads = n_threads
         self.prefixes: dict[str, SharedPrefix] = {}
 
@@ -253,17 +258,21 @@ class Conductor:
             raise
         try:
             try:
-                measured = self._measure_context(loaded, n_ctx, est.kv)
+                measured, compute = self._measure_context(loaded, n_ctx)
             except Exception as exc:
                 raise ConductorError("MODEL_LOAD_FAILED", f"context for n_ctx={n_ctx} failed: {exc}") from None
-            # Replace the estimate with what was measured; the weights are booked to the
-            # model, once, and follow it until its last agent leaves.
+            # Replace the estimate with what libllama allocated: the agent's KV cells to
+            # the agent; the weights and the one compute buffer (a single pool is live at a
+            # time, whatever its number of agents) to the model, once, until its last
+            # agent leaves.
             bookings = {agent_key: measured}
             if newly:
-                bookings[model_key] = loaded.measured_bytes
+                bookings[model_key] = loaded.measured_bytes + compute
             self.ledger.settle(bookings, cap=cap, base=self._weights_used_by(owner, mf.key))
         except BaseException:
-            self.registry.release(mf.key, ref)
+            last = self.registry.release(mf.key, ref)
+            if last is not None:
+                last.model.close()       # loaded for this agent alone: no pool holds a context over it
             self.ledger.release(agent_key)
             raise
         return loaded, measured
@@ -274,20 +283,18 @@ class Conductor:
             return Estimate(weights=override, kv=0, compute=0, source="table")
         return estimate(mf, fd, n_ctx, facts)
 
-    def _measure_context(self, loaded: Loaded, n_ctx: int, kv_estimate: int) -> int:
-        """Create the agent's context once and decode one token in it, so the compute
-        buffers are really touched; measure the RSS growth; free it (the agent starts cold).
-
-        The KV cache fills only as the conversation grows, so the booking is the larger of
-        what was measured and the KV the agent's n_ctx will need."""
-        before = rss_bytes()
-        ctx = self._new_context(loaded, n_ctx)
+    def _measure_context(self, loaded: Loaded, n_ctx: int) -> tuple[int, int]:
+        """(the KV bytes of the agent's n_ctx cells, a pool's compute buffer bytes), as
+        libllama allocates them for a context of this model (patch 0004): what this
+        context holds, never the process's growth, which any other user's work inflates.
+        The context has at least n_ubatch (512) cells, as every pool does, so its
+        compute buffer is a pool's; the KV is scaled to the agent's own cells."""
+        ctx = self._new_context(loaded, max(n_ctx, 512))
         try:
-            ctx.decode_tokens([loaded.model.bos if loaded.model.bos >= 0 else 0])
-            used = rss_bytes() - before
+            kv, compute = ctx.memory_bytes()
+            return max(1, kv * n_ctx // ctx.n_ctx), compute
         finally:
             ctx.close()
-        return max(1, used, kv_estimate)
 
     def _new_context(self, loaded: Loaded, n_ctx: int, n_seqs: int = 1, exact: bool = False) -> Context:
         kw = {"n_threads": self.n_threads} if self.n_threads else {}
@@ -305,26 +312,39 @@ class Conductor:
         owner = self.admin if owner is None else owner
         agent = self.get(agent_id, owner)
 
-        def leave() -> Agent:
+        def leave() -> None:
             with self._lock:
                 if self.agents.get((owner, agent_id)) is not agent:
                     raise ConductorError("UNKNOWN_AGENT", f"no agent {agent_id}")
                 del self.agents[(owner, agent_id)]
             self._unseat(agent)
-            self._free(agent)
-            return agent
-        return self.scheduler.call(leave, agent)
+            self._leave_pools(agent)
+            key = agent_pool_key(agent)
+            self.scheduler.shrink(key, self.agents_of(key), agent.owner)
+        self.scheduler.call(leave, agent)
+        self._free(agent)
+        return agent
 
-    def _free(self, agent: Agent) -> None:
-        """Release everything an agent that left the table holds: its saved KV, its share
-        of a document, its bookings, its reference to the model."""
+    def _leave_pools(self, agent: Agent) -> None:
+        """What an agent that left the table holds in the pools: its saved KV, its share of
+        a document (on the scheduler's thread, which owns the pools)."""
         self._drop_saved(agent)
         self._release_prefix(agent)
+
+    def _free(self, agent: Agent, forget: bool = True) -> None:
+        """Release its bookings and its reference to the model; the last reference frees
+        the model, after its pools (forget=False: they are gone already). On the caller's
+        thread, never the scheduler's: the model's gate may be held for seconds by a
+        REGISTER measuring a context, and no user's DECODE may wait for that."""
         self.ledger.release(f"agent:{agent.key}")
         with self.registry.gate(agent.file.key):
-            if self.registry.release(agent.file.key, agent.key):
+            last = self.registry.release(agent.file.key, agent.key)
+            if last is not None:
                 self.ledger.release(f"model:{agent.file.key}")
-                self.scheduler.forget_model(agent.file.key)
+        if last is not None:
+            if forget:
+                self.scheduler.call(lambda: self.scheduler.forget_model(last))
+            last.model.close()
 
     def expire_idle(self) -> list[str]:
         """Unregister agents unused for agent_ttl seconds (0: never); returns their ids."""
@@ -418,7 +438,7 @@ class Conductor:
     def agents_of(self, key: tuple[str, bool]) -> list[Agent]:
         """The registered agents a pool serves: one model, exact (prefix) or not."""
         with self._lock:
-            return [a for a in self.agents.values() if (a.file.key, a.prefix is not None) == key]
+            return [a for a in self.agents.values() if agent_pool_key(a) == key]
 
     def open_pool(self, key: tuple[str, bool], loaded: Loaded) -> Pool:
         return Pool(key, loaded, new_context=self._new_context, pause=self._pause,
@@ -517,4 +537,5 @@ class Conductor:
             agents = list(self.agents.values())
             self.agents.clear()
         for agent in agents:
-            self._free(agent)
+            self._leave_pools(agent)
+            self._free(agent, forget=False)

@@ -13,19 +13,26 @@ A pool is keyed by (model file, exact): prefix agents run batch-invariant kernel
 (exact mode), which give the same tokens batched as alone; the other agents run the fast
 kernels, so they get a pool of their own. The shared-prefix attention kernel reads a
 sequence's cells in cell order, so exactness also needs every sequence's cells in
-position order; llama.cpp refills freed cells first, so once an exact pool has had cells
-removed (a roll-back, a RESET, an agent paused) it is `scrambled` and the scheduler
-rebuilds it before its next step (every agent from its document and a re-read, or its
-snapshot).
+position order wherever they sit. llama.cpp puts new tokens into the first free cells
+from where it last freed some, so a freed cell below a sequence's last one would take
+that sequence's next token out of order. An exact pool therefore never frees cells
+while agents are in it: what a roll-back, a RESET, a pause or a departure leaves is
+handed to a `tomb` sequence that no token attends to, and new tokens always go above
+every occupied cell. Another user's churn costs cells, never a rebuild. Only when the
+tomb's cells are needed for a seat are they freed (`flush_tombs`); the pool is then
+`scrambled`, and the scheduler rebuilds it (every agent from its document and a
+re-read, or its snapshot), charging the rebuild to the users who filled the tomb.
 
 A seat costs the agent's n_ctx in cells (less its document when it shares one), and the
 context is sized for every agent of the pool registered when it opens, so the pool holds
-no more KV than the agents' bookings in the ledger already cover.
+no more KV than the agents' bookings in the ledger already cover; when agents leave and
+it holds more than one agent's n_ctx beyond what the rest need, it is `oversized` and
+reopened smaller.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..context import Context
@@ -43,6 +50,7 @@ class Seat:
     agent: "object"
     kv_len: int
     cells: int
+    own_from: int = 0             # its first position not shared with a document
 
 
 @dataclass
@@ -69,22 +77,32 @@ class Pool:
         self.free_seqs: list[int] = []
         self.cells_free = 0
         self.scrambled = False
+        self.resize = False
+        self.tomb: int | None = None              # exact pools: the sequence that holds left cells
+        self.tomb_cells = 0
+        self.tomb_by: dict[int, int] = {}         # uid -> cells it left in the tomb
+        self.rebuild_by: dict[int, float] = {}    # who pays the next rebuild (uid -> weight)
+        self.rebuilds = 0                         # times it was reopened while open (STATUS)
         self.last: object | None = None           # the agent stepped last (the one reported evicted)
 
     # ---- opening and closing ------------------------------------------------------------
-    @staticmethod
-    def size_for(agents: list) -> tuple[int, int]:
-        """(cells, sequences) that seat every one of `agents` and their documents."""
+    def size_for(self, agents: list) -> tuple[int, int]:
+        """(cells, sequences) that seat every one of `agents` and their documents (and the
+        tomb of an exact pool)."""
         prefixes = {a.prefix.key for a in agents if a.prefix is not None}
-        return max(256, sum(a.n_ctx for a in agents)), max(1, min(MAX_SEQS, len(agents) + len(prefixes)))
+        seqs = len(agents) + len(prefixes) + self.exact
+        return max(256, sum(a.n_ctx for a in agents)), max(1 + self.exact, min(MAX_SEQS, seqs))
 
     def open(self, agents: list) -> None:
         """Create the context for `agents` (every registered agent of this pool)."""
         n_ctx, n_seqs = self.size_for(agents)
+        self.rebuilds += self.stale
         self.ctx = self._new_context(self.loaded, n_ctx, n_seqs, self.exact)
         self.free_seqs = list(range(self.ctx.n_seq_max - 1, -1, -1))
+        self.tomb = self.free_seqs.pop(0) if self.exact else None
         self.cells_free = self.ctx.n_ctx
-        self.seats, self.docs, self.scrambled = {}, {}, False
+        self.seats, self.docs, self.scrambled, self.resize = {}, {}, False, False
+        self.tomb_cells, self.tomb_by, self.rebuild_by = 0, {}, {}
 
     def close(self) -> list:
         """Pause every resident agent and free the context; returns the agents paused."""
@@ -123,6 +141,17 @@ class Pool:
         n_ctx, n_seqs = self.size_for(agents)
         return n_ctx > self.ctx.n_ctx or n_seqs > self.ctx.n_seq_max
 
+    def oversized(self, agents: list) -> bool:
+        """Agents left: it holds more than one agent's n_ctx of cells beyond what the rest
+        need (the ledger books cells to agents only)."""
+        spare = self.ctx.n_ctx - self.size_for(agents)[0]
+        return spare > max((a.n_ctx for a in agents), default=0)
+
+    @property
+    def stale(self) -> bool:
+        """It must be rebuilt before its next step."""
+        return self.scrambled or self.resize
+
     def fits(self, agent) -> bool:
         seqs, cells = self.need(agent)
         return len(self.free_seqs) >= seqs and self.cells_free >= cells
@@ -148,10 +177,11 @@ class Pool:
             else:
                 kv_len, cells = 0, agent.n_ctx      # cold, or paused without a snapshot: re-read
         except BaseException:
-            self.ctx.seq_rm(seq)
+            self._retire(seq, 0, agent.owner)
             self.free_seqs.append(seq)
             raise
-        self.seats[agent.key] = Seat(seq, agent, kv_len, cells)
+        own_from = agent.prefix.n_tokens if entry.forked else 0
+        self.seats[agent.key] = Seat(seq, agent, kv_len, cells, own_from)
         self.cells_free -= cells
         agent.state = "active"
         entry.swap_s = time.perf_counter() - t0
@@ -176,7 +206,7 @@ class Pool:
                     self.ctx.decode_tokens(p.tokens, 0, doc_seq, logits_last=False)
                     self._keep_prefix(agent, Snapshot.capture(self.ctx, doc_seq, p.tokens))
             except BaseException:
-                self.ctx.seq_rm(doc_seq)
+                self._retire(doc_seq, 0, agent.owner)
                 self.free_seqs.append(doc_seq)
                 raise
             self.docs[p.key] = (doc_seq, p.n_tokens)
@@ -190,18 +220,17 @@ class Pool:
         seat = self.seats.pop(agent.key)
         if pause:
             self._pause(agent, self.ctx, seat)
+        self.cells_free += seat.cells
+        self._retire(seat.seq, seat.own_from, agent.owner)
         self.ctx.seq_rm(seat.seq)
         self.free_seqs.append(seat.seq)
-        self.cells_free += seat.cells
-        self.scrambled = self.scrambled or (self.exact and bool(self.seats))
         if self.last is agent and not pause:
             self.last = None
 
     def trim(self, seat: Seat, n_keep: int) -> None:
         """Drop the sequence's cells from position n_keep on (a roll-back)."""
         if seat.kv_len > n_keep:
-            self.ctx.seq_rm(seat.seq, n_keep, -1)
-            self.scrambled = self.scrambled or self.exact
+            self._retire(seat.seq, n_keep, seat.agent.owner)
         seat.kv_len = min(seat.kv_len, n_keep)
         held = self.ctx.seq_pos_max(seat.seq) + 1
         if held != seat.kv_len:
@@ -212,7 +241,40 @@ class Pool:
         """The document's last agent left: free its sequence."""
         if key in self.docs and self.ctx is not None:
             seq, cells = self.docs.pop(key)
-            self.ctx.seq_rm(seq)
-            self.free_seqs.append(seq)
             self.cells_free += cells
-            self.scrambled = self.scrambled or (self.exact and bool(self.seats))
+            self._retire(seq, 0, int(key.split(":", 1)[0]))
+            self.free_seqs.append(seq)
+
+    # ---- the tomb (exact pools) --------------------------------------------------------------
+    def _retire(self, seq: int, p0: int, owner: int) -> None:
+        """Remove seq's cells from position p0 on. In an exact pool they stay occupied, by
+        the tomb, while anyone else is in it: freeing them would let new tokens of another
+        sequence land below its older cells (see the module's docstring)."""
+        held = self.ctx.seq_pos_max(seq) + 1
+        if self.exact and held > p0 and (self.seats or self.docs):
+            self.ctx.seq_cp(seq, self.tomb, p0, -1)
+            n = held - max(p0, 0)
+            self.tomb_cells += n
+            self.cells_free -= n
+            self.tomb_by[owner] = self.tomb_by.get(owner, 0) + n
+        self.ctx.seq_rm(seq, p0, -1)
+        if self.exact and not (self.seats or self.docs):
+            self.flush_tombs()          # nobody left whose order matters
+
+    def fits_after_flush(self, agent) -> bool:
+        seqs, cells = self.need(agent)
+        return bool(self.tomb_cells) and len(self.free_seqs) >= seqs and self.cells_free + self.tomb_cells >= cells
+
+    def flush_tombs(self) -> None:
+        """Free the tomb's cells for new seats. The holes they leave would scramble the
+        order of later tokens, so a pool with anyone left in it is rebuilt next, paid for
+        by the users who filled the tomb."""
+        if not self.tomb_cells:
+            return
+        self.ctx.seq_rm(self.tomb)
+        self.cells_free += self.tomb_cells
+        if self.seats or self.docs:
+            self.scrambled = True
+            for uid, n in self.tomb_by.items():
+                self.rebuild_by[uid] = self.rebuild_by.get(uid, 0) + n
+        self.tomb_cells, self.tomb_by = 0, {}

@@ -1,5 +1,5 @@
 """Models refcounted by file identity: two agents on one GGUF share one loaded model, and
-the last release frees it.
+the last release hands it back to be freed.
 
 The key is the file's identity (modelfile.ModelFile.key), never a path resolved again
 later, so a symlink retargeted after REGISTER cannot make UNREGISTER free another model.
@@ -62,20 +62,21 @@ class ModelRegistry:
                 self._models[key] = entry
             return entry, True
 
-    def release(self, key: str, agent_id: str) -> bool:
-        """Drop one reference; frees the model (returns True) when it was the last."""
+    def release(self, key: str, agent_id: str) -> Loaded | None:
+        """Drop one reference. The last one takes the model out of the registry and returns
+        it, for the caller to close once every context over it is freed (a REGISTER of the
+        same file meanwhile loads it afresh); else None."""
         with self.gate(key):
             with self._lock:
                 entry = self._models.get(key)
                 if entry is None:
-                    return False
+                    return None
                 entry.refs -= 1
                 entry.agents.discard(agent_id)
                 if entry.refs > 0:
-                    return False
+                    return None
                 del self._models[key]
-            entry.model.close()
-            return True
+            return entry
 
     def snapshot(self) -> list[tuple[str, int, int]]:
         """(path, refcount, measured bytes) for STATUS."""

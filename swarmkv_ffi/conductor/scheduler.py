@@ -6,16 +6,18 @@ every run in that pool's batch (or the next chunk of a prompt, or of tokens bein
 re-read), then samples each run's next token. A new DECODE joins at the next step, a
 finished one leaves: continuous batching, as llama-server's slots, under lmxd's ledger.
 
-Fair between users by time, as the compute slot was: each step's time is shared among
-the runs in it, and a user who has used SLICE_SECONDS more than another in the batch sits
-steps out until that one catches up (so many DECODEs do not buy one user more of the
-device than another's one). The waiting run of the user who has used the least goes
-first (ties: arrival) when joining a full batch or when another pool is to be served; a
-run that has taken SLICE_TOKENS tokens gives its seat up to such a user, and a pool is
-left after SLICE_SECONDS for one, so no DECODE holds the device forever. A run that gave
-its place up rejoins where it was. A user who was idle re-enters IDLE_CREDIT seconds
-below the least-used active user (as Linux's CFS credits a waking task): an occasional
-short request runs ahead of a busy user's stream, yet idleness banks no more than that.
+Fair between users by time (policy.py decides; this module only measures and obeys):
+each step's seconds are charged to its users by the batch rows each put in, a user
+SLICE_SECONDS ahead of another in the batch sits steps out until that one catches up,
+virtual time never goes back for anyone (a newcomer starts at the floor of the active
+users, not at zero), and while users share the device a step carries no more rows than
+keep it within STEP_RATIO of a step of its decodes alone, so a long prompt goes in
+chunk by chunk beside the others' decodes. The waiting run of the least-charged user
+goes first (ties: arrival) when joining a full batch or when another pool is to be
+served; a run that has taken SLICE_TOKENS tokens gives its seat up to such a user, and
+a pool is left after SLICE_SECONDS for one, so no DECODE holds the device forever. A
+run that gave its place up rejoins where it was. Whoever makes a pool switch, reopen
+or rebuild pays for it, never the users it pauses.
 
 Nothing else touches the pools' contexts: RESET, UNREGISTER and close hand the thread
 closures (`call`) that run between two steps, once the agent they name has no DECODE in
@@ -34,13 +36,12 @@ from typing import Callable
 from ..batch import Batch
 from ..sampler import Sampler
 from .common_prompts import PromptTrie
+from .policy import SLICE_SECONDS, Policy, StepCost
 from .pool import Pool
 
 log = logging.getLogger("lmxd")
 
 SLICE_TOKENS = 32
-SLICE_SECONDS = 0.25
-IDLE_CREDIT = 1.0
 #: An idle scheduler that is woken waits until DECODEs stop arriving (this long apart, at
 #: most GATHER_MAX): agents that send at once start in one step, not one step each.
 GATHER_GAP = 0.002
@@ -97,13 +98,14 @@ class Scheduler:
     """host: the conductor, which lends the pools what books memory (open_pool) and
     turns a run's prompt into tokens (begin)."""
 
-    def __init__(self, host):
+    def __init__(self, host, policy: Policy | None = None):
         self.host = host
+        self.policy = policy or Policy()
+        self._costs: dict[tuple[str, bool], StepCost] = {}   # per pool key: its steps' fitted cost
         self._cv = threading.Condition()
         self._waiting: list[Run] = []
         self._batch: list[Run] = []
         self._ops: deque[_Op] = deque()
-        self._used: dict[int, float] = {}
         self._arrivals = itertools.count()
         self.pools: dict[tuple[str, bool], Pool] = {}
         self.live: Pool | None = None
@@ -122,10 +124,9 @@ class Scheduler:
         with self._cv:
             if self._closed:
                 raise Stopping()
-            active = {r.owner for r in self._waiting + self._batch}
-            if run.owner not in active and active:
-                floor = min(self._used.get(u, 0.0) for u in active)
-                self._used[run.owner] = max(self._used.get(run.owner, 0.0), floor - IDLE_CREDIT)
+            active = self._active()
+            if run.owner not in active:
+                self.policy.arrive(run.owner, active)
             run.arrival = next(self._arrivals)
             self._last_arrival = time.monotonic()
             self._waiting.append(run)
@@ -172,14 +173,30 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout=60)
 
-    def forget_model(self, file_key: str) -> None:
-        """The model was freed (its last agent left): drop its pools, whose contexts went
-        with it."""
-        for key in [k for k in self.pools if k[0] == file_key]:
+    def forget_model(self, loaded) -> None:
+        """The model `loaded` is about to be freed (its last agent left): free its pools'
+        contexts first. Pools of the same file loaded afresh since are another model's."""
+        for key in [k for k, pool in self.pools.items() if pool.loaded is loaded]:
             pool = self.pools.pop(key)
             pool.discard()
             if self.live is pool:
                 self.live = None
+
+    def shrink(self, key: tuple[str, bool], agents: list, owner: int) -> None:
+        """An agent of `owner` left pool `key` (on this thread; `agents`: those left). If
+        the pool holds more than one agent's n_ctx beyond what they need, it is made
+        smaller: freed at once when nobody is in it, else rebuilt before its next step at
+        `owner`'s cost."""
+        pool = self.pools.get(key)
+        if pool is None or not pool.is_open or not pool.oversized(agents):
+            return
+        if not pool.seats and not pool.docs:
+            pool.discard()
+            if self.live is pool:
+                self.live = None
+        else:
+            pool.resize = True
+            pool.rebuild_by[owner] = pool.rebuild_by.get(owner, 0) + 1
 
     def _start(self) -> None:
         if self._thread is None:
@@ -225,9 +242,9 @@ class Scheduler:
         pool = self._choose_pool()
         if pool is None:
             return
-        if pool is not self.live or not pool.is_open or pool.scrambled:
-            try:
-                self._switch(pool)     # (a scrambled exact pool is rebuilt: its cells are out of order)
+        if pool is not self.live or not pool.is_open or pool.stale:
+            try:   # (a stale pool is rebuilt: its cells are out of order, or it is oversized)
+                self._switch(pool, pool.rebuild_by if pool.is_open and pool.stale else self._served_by(pool))
             except Exception as exc:   # its context could not be made: its DECODEs fail, not the rest
                 log.exception("opening a pool failed")
                 self.live = None
@@ -256,7 +273,15 @@ class Scheduler:
 
     # ---- which pool, which runs ------------------------------------------------------------
     def _order(self, run: Run) -> tuple[float, int]:
-        return self._used.get(run.owner, 0.0), run.arrival
+        return self.policy.key(run.owner), run.arrival
+
+    def _active(self) -> set[int]:
+        return {r.owner for r in self._waiting + self._batch}
+
+    def _served_by(self, pool: Pool) -> dict[int, float]:
+        """Who a switch to `pool` serves: the first of its waiting runs pays for it."""
+        runs = [r for r in self._waiting if r.pool_key == pool.key]
+        return {min(runs, key=self._order).owner: 1.0} if runs else {}
 
     def _choose_pool(self) -> Pool | None:
         """The live pool while its turn lasts (SLICE_SECONDS); then the pool of the first
@@ -278,10 +303,10 @@ class Scheduler:
             self.pools[key] = self.host.open_pool(key, run.agent.loaded)
         return self.pools[key]
 
-    def _switch(self, pool: Pool) -> None:
+    def _switch(self, pool: Pool, payers: dict[int, float]) -> None:
         """Make `pool` live: the batch leaves (its runs wait to rejoin), the live pool's
         agents are paused to host RAM and its context freed; `pool` opens sized for
-        every agent registered for it now."""
+        every agent registered for it now. `payers` (uid -> weight) are charged its time."""
         t0 = time.perf_counter()
         for run in list(self._batch):
             self._to_waiting(run)
@@ -296,7 +321,7 @@ class Scheduler:
         for run in self._waiting:
             if run.pool_key == pool.key:
                 run.swap_s += cost
-        self._charge([r.owner for r in self._waiting if r.pool_key == pool.key][:1], cost)
+        self._charge(self.policy.by_rows(payers, cost))
 
     def _to_waiting(self, run: Run) -> None:
         if run in self._batch:
@@ -323,7 +348,7 @@ class Scheduler:
                     run.swap_s += entry.swap_s
                     run.restored |= entry.restored
                     run.forked |= entry.forked
-                    self._charge([run.owner], entry.swap_s)
+                    self._charge({run.owner: entry.swap_s})
                 if not run.began:
                     self.host.begin(run)
                     run.evicted = run.evicted or self._switch_evicted
@@ -350,6 +375,11 @@ class Scheduler:
         idle = sorted((s for s in pool.seats.values() if id(s.agent) not in in_batch),
                       key=lambda s: s.agent.last_used)
         seqs, cells = pool.need(run.agent)
+        if pool.fits_after_flush(run.agent):
+            pool.flush_tombs()     # the cells others left behind: freed, and the pool rebuilt at their cost
+            if pool.stale:
+                self._switch(pool, pool.rebuild_by)
+            return pool.fits(run.agent)
         if len(pool.free_seqs) + len(idle) >= seqs and pool.cells_free + sum(s.cells for s in idle) >= cells:
             for seat in idle:          # pausing them all would make room: pause only as many as needed
                 pool.unseat(seat.agent, pause=True)
@@ -357,44 +387,50 @@ class Scheduler:
                 if pool.fits(run.agent):
                     return True
         if pool.undersized(self.host.agents_of(pool.key)):
-            self._switch(pool)     # agents registered since it opened: reopen it larger
+            if not self.policy.may_grow(run.owner):
+                return False       # its owner reopened pools too often this minute: it waits
+            self.policy.grew(run.owner)
+            self._switch(pool, {run.owner: 1.0})     # agents registered since it opened: reopen it larger
             return pool.fits(run.agent)
         done = [r for r in self._batch if r.slice_tokens >= SLICE_TOKENS
-                and self._used.get(r.owner, 0.0) > self._used.get(run.owner, 0.0)]
+                and self.policy.key(r.owner) > self.policy.key(run.owner)]
         if done:
             self._to_waiting(max(done, key=self._order))
         return False
 
     # ---- one step ---------------------------------------------------------------------------
     def _step(self) -> None:
-        """One llama_decode for the whole batch: the prompts of DECODEs starting together
-        with their common tokens once (common_prompts.py), one token of each decoding run,
-        then the chunks of other prompts and re-reads in what is left of n_batch."""
+        """One llama_decode for the batch: one token of each decoding run, then prompts and
+        re-reads (DECODEs starting together from one point with their common tokens once,
+        common_prompts.py), the least-charged user's first, in what the step budget leaves
+        (policy.py); each user is charged the step's time by the rows it put in."""
         pool = self.live
         ctx = pool.ctx
         if self._step_batch is None or self._step_batch.capacity != ctx.n_batch \
                 or self._step_batch.n_seq_max != ctx.n_seq_max:
             self._step_batch = Batch(ctx.n_batch, ctx.n_seq_max)
-        batch, budget, plan = self._step_batch.clear(), ctx.n_batch, []
-        groups, rest = self._starting_together(pool, self._in_step())
+        batch, plan, rows = self._step_batch.clear(), [], {}
+        runs = self._in_step()
+        decoding = [r for r in runs if self._input_len(pool, r) == 1]
+        prompts = sorted((r for r in runs if self._input_len(pool, r) > 1), key=self._order)
+        budget = min(ctx.n_batch, self.policy.step_rows(self._cost(pool), len(decoding), ctx.n_batch,
+                                                         self.policy.sharing(self._active())))
+        for run in decoding:
+            budget -= self._add_input(pool, batch, plan, rows, run, budget)
+        groups, rest = self._starting_together(pool, prompts)
         for group in groups:
             trie = PromptTrie([(id(run), seat.seq, run.feed) for run, seat in group])
             if trie.size > budget:
                 rest += [run for run, _ in group]
                 continue
-            rows = trie.add_to(batch, group[0][1].kv_len)
-            plan += [(run, seat, len(run.feed), rows[id(run)]) for run, seat in group]
+            found = trie.add_to(batch, group[0][1].kv_len)
+            plan += [(run, seat, len(run.feed), found[id(run)]) for run, seat in group]
+            rows[group[0][0].owner] = rows.get(group[0][0].owner, 0) + trie.size
             budget -= trie.size
-        for run in sorted(rest, key=lambda r: (self._input_len(pool, r) > 1, r.arrival)):
-            seat = pool.seat_of(run.agent)
-            wanted = run.agent.history[seat.kv_len:] + run.feed
-            take = wanted[:budget]
-            if not take:
-                continue
-            last = len(take) == len(wanted)
-            row = batch.add_sequence(take, seat.kv_len, seat.seq, logits_last=last)
-            plan.append((run, seat, len(take), row if last else -1))
-            budget -= len(take)
+        for run in sorted(rest, key=self._order):
+            budget -= self._add_input(pool, batch, plan, rows, run, budget)
+        if not plan:
+            return
         t0 = time.perf_counter()
         try:
             ctx.decode(batch)
@@ -402,7 +438,9 @@ class Scheduler:
             for run, *_ in plan:
                 self._fail(run, exc)
             return
-        self._charge([run.owner for run, *_ in plan], time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self._cost(pool).observe(batch.n_tokens, seconds)
+        self._charge(self.policy.by_rows(rows, seconds))
         for run, seat, n, row in plan:
             run.batch_max = max(run.batch_max, len(plan))
             run.stepped = True
@@ -411,22 +449,34 @@ class Scheduler:
             if row >= 0:
                 self._sample(run, ctx, row)
 
+    def _add_input(self, pool: Pool, batch, plan: list, rows: dict, run: Run, budget: int) -> int:
+        """Put up to `budget` of the run's next input tokens into the batch; returns how many."""
+        seat = pool.seat_of(run.agent)
+        wanted = run.agent.history[seat.kv_len:] + run.feed
+        take = wanted[:max(0, budget)]
+        if not take:
+            return 0
+        last = len(take) == len(wanted)
+        row = batch.add_sequence(take, seat.kv_len, seat.seq, logits_last=last)
+        plan.append((run, seat, len(take), row if last else -1))
+        rows[run.owner] = rows.get(run.owner, 0) + len(take)
+        return len(take)
+
+    def _cost(self, pool: Pool) -> StepCost:
+        return self._costs.setdefault(pool.key, StepCost())
+
     def _in_step(self) -> list[Run]:
-        """The runs this step serves: all of them, except that a user who has used more
-        than SLICE_SECONDS beyond the least-served user in the batch sits steps out until
-        that user catches up. A step's time grows with its rows (on a CPU nearly in
-        proportion), so one user's many DECODEs would otherwise take the device from
-        another's one, and slow each of its steps."""
-        owners = {r.owner for r in self._batch}
-        if len(owners) < 2:
-            return list(self._batch)
-        floor = min(self._used.get(u, 0.0) for u in owners)
-        return [r for r in self._batch if self._used.get(r.owner, 0.0) <= floor + SLICE_SECONDS]
+        """The runs this step serves: all of them, but those of a user more than
+        SLICE_SECONDS ahead of the least-charged user in the batch (policy.stepping), so
+        one user's many DECODEs cannot take the device from another's one."""
+        stepping = self.policy.stepping({r.owner for r in self._batch})
+        return [r for r in self._batch if r.owner in stepping]
 
     def _starting_together(self, pool: Pool, runs: list[Run]) -> tuple[list[list], list[Run]]:
-        """Groups (two or more) of (run, seat) taking their first step from the same
-        point (a fresh conversation, or exactly their shared document) whose prompts may
-        share tokens; the other runs."""
+        """Groups (two or more) of (run, seat) of one user taking their first step from the
+        same point (a fresh conversation, or exactly their shared document) whose prompts
+        may share tokens; the other runs. Never across users: a step that took a shared
+        opening once would be faster, and its time would tell one user another's prompt."""
         groups: dict = {}
         rest = []
         for run in runs:
@@ -435,7 +485,7 @@ class Scheduler:
             if run.stepped or seat.kv_len != len(agent.history) or len(agent.history) != base:
                 rest.append(run)
             else:
-                groups.setdefault(agent.prefix.key if agent.prefix else None, []).append((run, seat))
+                groups.setdefault((run.owner, agent.prefix.key if agent.prefix else None), []).append((run, seat))
         shared = []
         for group in groups.values():
             if len(group) > 1:
@@ -472,9 +522,8 @@ class Scheduler:
         else:
             run.feed = [token]
 
-    def _charge(self, owners: list[int], seconds: float) -> None:
-        for uid in owners:
-            self._used[uid] = self._used.get(uid, 0.0) + seconds / len(owners)
+    def _charge(self, costs: dict[int, float]) -> None:
+        self.policy.charge(costs, self._active())
 
     # ---- endings ------------------------------------------------------------------------------
     def _finish(self, run: Run, error: BaseException | None = None) -> None:
@@ -487,6 +536,7 @@ class Scheduler:
             run.sampler.close()
             run.sampler = None
         run.agent.last_used = time.monotonic()
+        self.policy.seen(run.owner)
         run.error = error
         run.done.set()
 

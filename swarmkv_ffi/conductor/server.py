@@ -38,6 +38,7 @@ from .estimate import load_table
 from .ledger import Ledger, LedgerDenied
 from .lines import IdleTimeout, LineReader, LineTooLong, close_all
 from .memory import DeviceMemory
+from .policy import STEP_RATIO, Policy
 from .quotas import DEFAULT_AGENTS_PER_UID, DEFAULT_CLIENTS_PER_UID, DEFAULT_SHARE_PERCENT, Quotas
 
 log = logging.getLogger("lmxd")
@@ -402,6 +403,7 @@ class Server:
                 lines.append("pool " + protocol.kv(model=pool.loaded.name, exact=pool.exact,
                                                    seated=len(pool.seats), seqs=pool.ctx.n_seq_max,
                                                    cells=pool.ctx.n_ctx, cells_free=pool.cells_free,
+                                                   tomb_cells=pool.tomb_cells, rebuilds=pool.rebuilds,
                                                    documents=len(pool.docs)))
         for p in list(c.prefixes.values()):
             if every or p.key.startswith(f"{uid}:"):
@@ -481,6 +483,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE,
                    help="on SIGTERM, seconds the running DECODE may go on before it is cancelled; "
                         f"queued ones are cancelled at once (default {DEFAULT_SHUTDOWN_GRACE:g})")
+    p.add_argument("--step-ratio", type=float, default=STEP_RATIO,
+                   help="while users share the device, a step may take at most this times the "
+                        "predicted time of its decode rows alone, so one user's long prompt goes in "
+                        f"chunk by chunk beside the others' decodes (default {STEP_RATIO:g})")
+    p.add_argument("--step-tokens", type=int, default=0,
+                   help="instead of --step-ratio, a fixed cap on the rows of a step while users "
+                        "share the device (0: use --step-ratio; default 0)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per context")
     p.add_argument("-v", "--verbose", action="store_true", help="also show libllama's log")
     return p
@@ -505,12 +514,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--swap-budget-bytes must be >= 0")
         if args.shutdown_grace < 0:
             raise ValueError("--shutdown-grace must be >= 0")
+        if args.step_ratio < 1 or args.step_tokens < 0:
+            raise ValueError("--step-ratio must be >= 1 and --step-tokens >= 0")
         for folder in args.models_dir:
             check_models_dir(folder)
         quotas = Quotas(args.max_clients_per_uid, args.max_agents_per_uid, args.uid_ledger_percent / 100,
                         args.uid_swap_percent / 100)
         conductor = Conductor(Ledger(memory.budget), table, n_threads=args.threads,
-                              swap=Ledger(lambda: swap, name="SWAP"), agent_ttl=args.agent_ttl, quotas=quotas)
+                              swap=Ledger(lambda: swap, name="SWAP"), agent_ttl=args.agent_ttl, quotas=quotas,
+                              policy=Policy(args.step_ratio, args.step_tokens))
         booked.append(conductor.ledger)
         server = Server(Path(args.socket), conductor, memory, set(args.allow_uid), args.line_cap,
                         args.max_clients, args.idle_timeout, Access(conductor.admin, args.models_dir),
