@@ -36,7 +36,7 @@ STEP_RATIO = 2.0
 #: A user whose last DECODE ended this recently still counts as sharing the device: a
 #: victim between two DECODEs must not meet a 512-row step when it comes back.
 SHARING_WINDOW = 2.0
-GROWS_PER_MINUTE = 2
+GROWS_PER_MINUTE = 4
 
 
 class StepCost:

@@ -18,16 +18,17 @@ from where it last freed some, so a freed cell below a sequence's last one would
 that sequence's next token out of order. An exact pool therefore never frees cells
 while agents are in it: what a roll-back, a RESET, a pause or a departure leaves is
 handed to a `tomb` sequence that no token attends to, and new tokens always go above
-every occupied cell. Another user's churn costs cells, never a rebuild. Only when the
+every occupied cell. Another user's churn costs cells, never a rebuild: an exact pool
+has one agent's n_ctx of cells beyond its agents' for the tomb to fill. Only when the
 tomb's cells are needed for a seat are they freed (`flush_tombs`); the pool is then
 `scrambled`, and the scheduler rebuilds it (every agent from its document and a
 re-read, or its snapshot), charging the rebuild to the users who filled the tomb.
 
 A seat costs the agent's n_ctx in cells (less its document when it shares one), and the
-context is sized for every agent of the pool registered when it opens, so the pool holds
-no more KV than the agents' bookings in the ledger already cover; when agents leave and
-it holds more than one agent's n_ctx beyond what the rest need, it is `oversized` and
-reopened smaller.
+context is sized for every agent of the pool registered when it opens (plus the tomb's
+room), so the pool holds no more KV than the agents' bookings in the ledger cover and
+one agent's n_ctx; when agents leave and it holds more than that, it is `oversized`
+and reopened smaller.
 """
 from __future__ import annotations
 
@@ -87,11 +88,12 @@ class Pool:
 
     # ---- opening and closing ------------------------------------------------------------
     def size_for(self, agents: list) -> tuple[int, int]:
-        """(cells, sequences) that seat every one of `agents` and their documents (and the
-        tomb of an exact pool)."""
+        """(cells, sequences) that seat every one of `agents` and their documents; an exact
+        pool also has the tomb, and one agent's n_ctx of cells for it to fill."""
         prefixes = {a.prefix.key for a in agents if a.prefix is not None}
         seqs = len(agents) + len(prefixes) + self.exact
-        return max(256, sum(a.n_ctx for a in agents)), max(1 + self.exact, min(MAX_SEQS, seqs))
+        cells = sum(a.n_ctx for a in agents) + (self.exact and max((a.n_ctx for a in agents), default=0))
+        return max(256, cells), max(1 + self.exact, min(MAX_SEQS, seqs))
 
     def open(self, agents: list) -> None:
         """Create the context for `agents` (every registered agent of this pool)."""
@@ -143,9 +145,9 @@ class Pool:
 
     def oversized(self, agents: list) -> bool:
         """Agents left: it holds more than one agent's n_ctx of cells beyond what the rest
-        need (the ledger books cells to agents only)."""
-        spare = self.ctx.n_ctx - self.size_for(agents)[0]
-        return spare > max((a.n_ctx for a in agents), default=0)
+        booked in the ledger (which books cells to agents only)."""
+        booked = max(256, sum(a.n_ctx for a in agents))
+        return self.ctx.n_ctx > booked + max((a.n_ctx for a in agents), default=0)
 
     @property
     def stale(self) -> bool:

@@ -184,7 +184,7 @@ class Scheduler:
 
     def shrink(self, key: tuple[str, bool], agents: list, owner: int) -> None:
         """An agent of `owner` left pool `key` (on this thread; `agents`: those left). If
-        the pool holds more than one agent's n_ctx beyond what they need, it is made
+        the pool holds more than one agent's n_ctx beyond what they booked, it is made
         smaller: freed at once when nobody is in it, else rebuilt before its next step at
         `owner`'s cost."""
         pool = self.pools.get(key)
@@ -194,7 +194,7 @@ class Scheduler:
             pool.discard()
             if self.live is pool:
                 self.live = None
-        else:
+        else:        # (as rare as the reopens that grew it: policy.may_grow)
             pool.resize = True
             pool.rebuild_by[owner] = pool.rebuild_by.get(owner, 0) + 1
 

@@ -1,0 +1,162 @@
+"""The fair-pools levers that need the scheduler's inside to show, in process and
+deterministic: the scheduler is held (a closure run on its thread) until every DECODE
+of a test has arrived, and steps are counted by the rows handed to llama_decode."""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import pytest
+
+from swarmkv_ffi.conductor.agents import Conductor
+from swarmkv_ffi.conductor.ledger import Ledger
+from swarmkv_ffi.conductor.policy import Policy
+from swarmkv_ffi.context import Context
+
+pytestmark = pytest.mark.timeout(300)
+A, B = 1000, 1001
+
+
+@pytest.fixture
+def conductor():
+    c = Conductor(Ledger(lambda: 1 << 40), n_threads=1, policy=Policy(step_tokens=8))
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """Every llama_decode's rows, with the sequences of each row."""
+    seen, real = [], Context.decode
+
+    def counting(self, batch):
+        n = batch.n_tokens
+        seen.append([tuple(sorted(batch.seq_id[i, :batch.n_seq_id[i]].tolist())) for i in range(n)])
+        return real(self, batch)
+    monkeypatch.setattr(Context, "decode", counting)
+    return seen
+
+
+@contextmanager
+def scheduler_held(c: Conductor):
+    """The scheduler thread waits inside a closure until the block ends: DECODEs sent
+    meanwhile queue, and its next step takes them all at once."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold():
+        entered.set()
+        release.wait(60)
+    t = threading.Thread(target=c.scheduler.call, args=(hold,))
+    t.start()
+    assert entered.wait(60)
+    try:
+        yield
+    finally:
+        release.set()
+        t.join(60)
+
+
+def send(c: Conductor, replies: dict, name: str, owner: int, n: int, prompt: str) -> threading.Thread:
+    t = threading.Thread(target=lambda: replies.__setitem__(name, c.decode(name, n, prompt, owner=owner)))
+    t.start()
+    return t
+
+
+def queued(c: Conductor, n: int) -> None:
+    import time
+    deadline = time.monotonic() + 60
+    while c.scheduler.waiting() < n:
+        assert time.monotonic() < deadline, "the DECODEs never queued"
+        time.sleep(0.005)
+
+
+def test_common_opening_rows_are_shared_within_a_user_never_across_users(conductor, steps):
+    c = conductor
+    prompt = "You are a careful assistant. Answer in one word. What colour is the sky?"
+    for name, owner in (("a0", A), ("a1", A), ("b0", B)):
+        c.register(name, "smollm2-135m", n_ctx=256, owner=owner)
+    c.scheduler.policy.step_tokens = 512          # one step takes every prompt
+    c.scheduler.policy.vtime = {A: 0.0, B: 0.0}   # equal histories: neither sits a step out
+    n = len(c.get("a0", A).loaded.model.tokenize(prompt, add_special=True))
+    replies = {}
+    with scheduler_held(c):
+        threads = [send(c, replies, name, owner, 2, prompt) for name, owner in (("a0", A), ("a1", A), ("b0", B))]
+        queued(c, 3)
+    for t in threads:
+        t.join(120)
+    first = steps[0]
+    assert len(first) == 2 * n                    # A's two prompts as one, B's on its own
+    shared_rows = [seqs for seqs in first if len(seqs) == 2]
+    assert len(shared_rows) == n                  # every row of A's prompt holds both of A's sequences
+    assert len({r.text for r in replies.values()}) == 1
+
+
+def test_a_long_prompt_is_chunked_beside_another_users_decode(conductor, steps):
+    """B decodes 16 tokens while A's 700-token prompt goes in: no step carries more than
+    the budget (8 rows) while B runs, and A's prompt is whole in its conversation."""
+    c = conductor
+    c.register("a", "smollm2-135m", n_ctx=1024, owner=A)
+    c.register("b", "smollm2-135m", n_ctx=256, owner=B)
+    long_prompt = " ".join(f"item {i}," for i in range(120))
+    c.scheduler.policy.vtime = {A: 0.0, B: 0.0}
+    replies, b_done = {}, threading.Event()
+    with scheduler_held(c):
+        ta = send(c, replies, "a", A, 1, long_prompt)
+        tb = threading.Thread(target=lambda: (replies.__setitem__("b", c.decode("b", 16, "Count: 1, 2,", owner=B)),
+                                              b_done.set()))
+        tb.start()
+        queued(c, 2)
+    tb.join(120)
+    during_b = len(steps)
+    ta.join(300)
+    assert replies["b"].generated_tokens == 16
+    assert max(len(rows) for rows in steps[:during_b - 1]) <= 8, [len(r) for r in steps[:during_b]]
+    assert replies["a"].prompt_tokens > 600 and replies["a"].generated_tokens == 1
+    agent = c.get("a", A)
+    assert agent.history == [int(t) for t in agent.loaded.model.tokenize(long_prompt, add_special=True)]
+
+
+def test_unregister_never_stalls_the_scheduler_on_a_models_gate(conductor):
+    """A REGISTER measuring a context holds its model's gate; an UNREGISTER of the same
+    model meanwhile must not take the scheduler with it: another user's DECODE goes on
+    while the gate is held, and the UNREGISTER ends once it is released."""
+    c = conductor
+    c.register("leaving", "smollm2-135m", n_ctx=256, owner=A)
+    c.register("victim", "smollm2-135m", n_ctx=256, owner=B)
+    c.decode("victim", 2, "Hello", owner=B)
+    gate = c.registry.gate(c.get("victim", B).file.key)
+    left = threading.Event()
+    with gate:                                  # as a REGISTER's measurement would
+        t = threading.Thread(target=lambda: (c.unregister("leaving", A), left.set()))
+        t.start()
+        reply = c.decode("victim", 8, " and again", owner=B)   # would hang if the scheduler waited
+        assert reply.generated_tokens == 8
+        assert not left.is_set()                # the unregister waits for the gate, on its own thread
+    t.join(60)
+    assert left.is_set()
+    assert [a.id for a in c.owned_by(None)] == ["victim"]
+    assert c.ledger.held("agent:1000:leaving") == 0
+
+
+def test_an_exact_pool_keeps_left_cells_in_its_tomb_and_is_not_rebuilt(conductor):
+    """A prefix agent that is reset again and again leaves its cells to the tomb: the pool
+    is not rebuilt, and another prefix agent's answers equal its answers alone."""
+    from corpus import DOC
+    c = conductor
+    c.register("v", "smollm2-135m", n_ctx=1024, owner=B, prefix=DOC)
+    alone = []
+    for q in ("Question: who may use it?", "Question: what is a Contribution?"):
+        c.reset("v", owner=B)
+        alone.append(c.decode("v", 10, q, owner=B).text)
+    c.register("m", "smollm2-135m", n_ctx=1024, owner=A, prefix=DOC)
+    together = []
+    for i, q in enumerate(("Question: who may use it?", "Question: what is a Contribution?")):
+        for k in range(5):
+            c.decode("m", 1, f"guess {i} {k}", owner=A)
+            c.reset("m", owner=A)
+        c.reset("v", owner=B)
+        together.append(c.decode("v", 10, q, owner=B).text)
+    pool = c.scheduler.live
+    assert pool.exact and pool.rebuilds == 0 and pool.tomb_cells > 0
+    assert pool.tomb_by.get(A, 0) > 0
+    assert together == alone
