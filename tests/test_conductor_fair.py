@@ -92,8 +92,9 @@ def test_common_opening_rows_are_shared_within_a_user_never_across_users(conduct
 
 
 def test_a_long_prompt_is_chunked_beside_another_users_decode(conductor, steps):
-    """B decodes 16 tokens while A's 700-token prompt goes in: no step carries more than
-    the budget (8 rows) while B runs, and A's prompt is whole in its conversation."""
+    """B decodes 16 tokens while A's 600-token prompt goes in: no step carries more than
+    the budget (8 rows) while B runs, A is charged by the rows it put in (far more than
+    B, who put one a step), and A's prompt is whole in its conversation."""
     c = conductor
     c.register("a", "smollm2-135m", n_ctx=1024, owner=A)
     c.register("b", "smollm2-135m", n_ctx=256, owner=B)
@@ -102,8 +103,9 @@ def test_a_long_prompt_is_chunked_beside_another_users_decode(conductor, steps):
     replies, b_done = {}, threading.Event()
     with scheduler_held(c):
         ta = send(c, replies, "a", A, 1, long_prompt)
+        charged = {}
         tb = threading.Thread(target=lambda: (replies.__setitem__("b", c.decode("b", 16, "Count: 1, 2,", owner=B)),
-                                              b_done.set()))
+                                              charged.update(c.scheduler.policy.vtime), b_done.set()))
         tb.start()
         queued(c, 2)
     tb.join(120)
@@ -112,6 +114,7 @@ def test_a_long_prompt_is_chunked_beside_another_users_decode(conductor, steps):
     assert replies["b"].generated_tokens == 16
     assert max(len(rows) for rows in steps[:during_b - 1]) <= 8, [len(r) for r in steps[:during_b]]
     assert replies["a"].prompt_tokens > 600 and replies["a"].generated_tokens == 1
+    assert charged[A] > 3 * charged[B]          # by rows: ~7 of A's for each of B's in every step
     agent = c.get("a", A)
     assert agent.history == [int(t) for t in agent.loaded.model.tokenize(long_prompt, add_special=True)]
 

@@ -185,15 +185,17 @@ class Scheduler:
     def shrink(self, key: tuple[str, bool], agents: list, owner: int) -> None:
         """An agent of `owner` left pool `key` (on this thread; `agents`: those left). If
         the pool holds more than one agent's n_ctx beyond what they booked, it is made
-        smaller: freed at once when nobody is in it, else rebuilt before its next step at
-        `owner`'s cost."""
+        smaller at `owner`'s cost: closed at once when no DECODE runs in it (its agents
+        paused; the next DECODE opens it to size), else rebuilt before its next step."""
         pool = self.pools.get(key)
         if pool is None or not pool.is_open or not pool.oversized(agents):
             return
-        if not pool.seats and not pool.docs:
-            pool.discard()
+        if not any(r.pool_key == key for r in self._waiting + self._batch):
+            t0 = time.perf_counter()
+            pool.close()           # idle: its agents wait in host RAM; the next DECODE opens it to size
             if self.live is pool:
                 self.live = None
+            self._charge({owner: time.perf_counter() - t0})
         else:        # (as rare as the reopens that grew it: policy.may_grow)
             pool.resize = True
             pool.rebuild_by[owner] = pool.rebuild_by.get(owner, 0) + 1
