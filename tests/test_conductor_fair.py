@@ -93,7 +93,7 @@ def test_common_opening_rows_are_shared_within_a_user_never_across_users(conduct
 
 def test_a_long_prompt_is_chunked_beside_another_users_decode(conductor, steps):
     """B decodes 16 tokens while A's 600-token prompt goes in: no step carries more than
-    the budget (8 rows) while B runs, A is charged by the rows it put in (far more than
+    the budget (8 rows, or B's prompt whole and one more) while B runs, A is charged by the rows it put in (far more than
     B, who put one a step), and A's prompt is whole in its conversation."""
     c = conductor
     c.register("a", "smollm2-135m", n_ctx=1024, owner=A)
@@ -112,7 +112,9 @@ def test_a_long_prompt_is_chunked_beside_another_users_decode(conductor, steps):
     during_b = len(steps)
     ta.join(300)
     assert replies["b"].generated_tokens == 16
-    assert max(len(rows) for rows in steps[:during_b - 1]) <= 8, [len(r) for r in steps[:during_b]]
+    b_prompt = len(c.get("b", B).loaded.model.tokenize("Count: 1, 2,", add_special=True))
+    assert len(steps[0]) == max(8, b_prompt + 1)  # B's prompt whole (the shortest), A's rows to the budget
+    assert max(len(rows) for rows in steps[1:during_b - 1]) <= 8, [len(r) for r in steps[:during_b]]
     assert replies["a"].prompt_tokens > 600 and replies["a"].generated_tokens == 1
     assert charged[A] > 3 * charged[B]          # by rows: ~7 of A's for each of B's in every step
     agent = c.get("a", A)

@@ -5,8 +5,6 @@ allowed and a small swap budget. The victim sends --decodes DECODEs of --max-tok
 tokens, one after another, each after a RESET (a short conversation), first alone and
 then while the hostile uid runs one attack (--attacks, each in its own phase):
 
-    mixed      connections until BUSY held open, slowloris lines, agents registered until
-               refused (their KV paused into the swap budget), long DECODEs kept queued
     prefill    one ~7,000-word prompt after another (1-token DECODEs, then RESET)
     newcomer   a uid that never used the daemon starts three streams (the victim has history)
     churn      a prefix agent in the victim's exact pool: DECODE 1 token + RESET in a loop
@@ -17,6 +15,8 @@ then while the hostile uid runs one attack (--attacks, each in its own phase):
     oracle     the hostile user times 1-token DECODEs sent with the victim's at the same
                moment, half opening with the victim's prompt, half not, and classifies
                its samples by time (threshold chosen on one half, scored on the other)
+    mixed      connections until BUSY held open, slowloris lines, agents registered until
+               refused (their KV paused into the swap budget), long DECODEs kept queued
 
 Prints the victim's p50/p99/max DECODE latency alone and under each attack and their
 ratio, what the hostile user was refused, and the oracle's accuracy; writes
@@ -42,7 +42,8 @@ from .daemon import start_lmxd, stop_lmxd
 from .measure import EXAMPLES, report_json, settings_of
 
 SYSTEM_PYTHON = "/usr/bin/python3"   # the venv may be unreadable to the other uids
-ATTACKS = ("mixed", "prefill", "newcomer", "churn", "stall", "grow", "oracle")
+#: In this order: `mixed` last, since its hog's agents stay registered and hold the swap share.
+ATTACKS = ("prefill", "newcomer", "churn", "stall", "grow", "oracle", "mixed")
 
 #: Shared by the client scripts: one request (with descriptors), its reply's lines.
 ASK = r"""
@@ -51,16 +52,14 @@ def connect(path):
     s = socket.socket(socket.AF_UNIX); s.connect(path); return s, s.makefile('rb')
 def ask(s, f, line, files=()):
     fds = [os.open(p, os.O_RDONLY) for p in files]
-    data = line.encode() + b'
-'
+    data = line.encode() + b'\n'
     if fds: socket.send_fds(s, [data], fds); [os.close(fd) for fd in fds]
     else: s.sendall(data)
     out, body = [], False
     while True:
         raw = f.readline()
         if not raw: return out + ['ERR CLOSED']
-        r = raw.decode('utf-8', 'replace').rstrip('
-'); out.append(r)
+        r = raw.decode('utf-8', 'replace').rstrip('\n'); out.append(r)
         if body: body = r != 'END_RESPONSE'
         elif r == 'BEGIN_RESPONSE': body = True
         elif r == 'OK done' or r.startswith('ERR '): return out

@@ -86,6 +86,7 @@ class Agent:
     history: list[int] = field(default_factory=list)   # tokens whose KV is in the state
     pending: int | None = None            # last generated token, not yet decoded
     prefix: SharedPrefix | None = None    # the document it starts from (REGISTER prefix=)
+    decoded: bool = False                 # it has sent a DECODE: its pool makes room for it
 
     @property
     def key(self) -> str:
@@ -285,16 +286,19 @@ class Conductor:
 
     def _measure_context(self, loaded: Loaded, n_ctx: int) -> tuple[int, int]:
         """(the KV bytes of the agent's n_ctx cells, a pool's compute buffer bytes), as
-        libllama allocates them for a context of this model (patch 0004): what this
-        context holds, never the process's growth, which any other user's work inflates.
-        The context has at least n_ubatch (512) cells, as every pool does, so its
-        compute buffer is a pool's; the KV is scaled to the agent's own cells."""
-        ctx = self._new_context(loaded, max(n_ctx, 512))
-        try:
-            kv, compute = ctx.memory_bytes()
-            return max(1, kv * n_ctx // ctx.n_ctx), compute
-        finally:
-            ctx.close()
+        libllama allocates them for a context of this model (patch 0004): what a context
+        holds, never the process's growth, which any other user's work inflates. Measured
+        once per loaded model on a 512-cell context (n_ubatch cells, as every pool has,
+        so its compute buffer is a pool's) and scaled to the agent's cells: a REGISTER of
+        a huge n_ctx allocates nothing (the caller holds the model's gate)."""
+        if loaded.context_bytes is None:
+            ctx = self._new_context(loaded, 512)
+            try:
+                loaded.context_bytes = (ctx.n_ctx, *ctx.memory_bytes())
+            finally:
+                ctx.close()
+        cells, kv, compute = loaded.context_bytes
+        return max(1, -(-kv * n_ctx // cells)), compute
 
     def _new_context(self, loaded: Loaded, n_ctx: int, n_seqs: int = 1, exact: bool = False) -> Context:
         kw = {"n_threads": self.n_threads} if self.n_threads else {}
@@ -385,7 +389,7 @@ class Conductor:
         if not 1 <= max_tokens <= 4096:
             raise ConductorError("BAD_REQUEST", f"max_tokens must be in 1..4096, got {max_tokens}")
         agent = self.get(agent_id, owner)       # the owner's agent, looked up now
-        agent.last_used = time.monotonic()
+        agent.last_used, agent.decoded = time.monotonic(), True
         run = Run(agent, owner, prompt, max_tokens, should_stop or (lambda: False))
         t0 = time.perf_counter_ns()
         try:
@@ -436,9 +440,11 @@ class Conductor:
         agent.pending, run.began = None, True
 
     def agents_of(self, key: tuple[str, bool]) -> list[Agent]:
-        """The registered agents a pool serves: one model, exact (prefix) or not."""
+        """The agents a pool is sized for: registered for it (one model, exact (prefix) or
+        not) and DECODEd at least once. An agent only registered costs the pool no cells,
+        so REGISTERs alone, of any n_ctx, never make others' pool reopen."""
         with self._lock:
-            return [a for a in self.agents.values() if agent_pool_key(a) == key]
+            return [a for a in self.agents.values() if agent_pool_key(a) == key and a.decoded]
 
     def open_pool(self, key: tuple[str, bool], loaded: Loaded) -> Pool:
         return Pool(key, loaded, new_context=self._new_context, pause=self._pause,
@@ -446,10 +452,15 @@ class Conductor:
 
     def _keep_prefix(self, agent: Agent, snap: Snapshot) -> None:
         """The document's KV, computed once, kept in host RAM for every agent over it
-        (booked once to the swap budget, to the first agent's owner)."""
+        (booked once to the swap budget, to the first agent's owner). With the owner's
+        share full it is not kept: the document stays in the pool, and is computed again
+        should the pool lose it (a full swap share slows its owner, never refuses it)."""
         p = agent.prefix
-        self.swap.reserve(f"prefix:{p.key}", snap.nbytes,
-                          cap=self._cap(self.swap, self.quotas.swap_share, agent.owner))
+        try:
+            self.swap.reserve(f"prefix:{p.key}", snap.nbytes,
+                              cap=self._cap(self.swap, self.quotas.swap_share, agent.owner))
+        except LedgerDenied:
+            return
         p.snapshot = snap
 
     def _pause(self, agent: Agent, ctx: Context, seat: Seat) -> None:

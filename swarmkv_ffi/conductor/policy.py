@@ -10,16 +10,19 @@ samples. This module decides, from costs alone, so it can be tested with made-up
   that one catches up.
 - **A floor that never goes back** (CFS's min_vruntime): the least virtual time of the
   active users, kept while the daemon is idle. A user who arrives (no DECODE queued or
-  running) is placed within [floor - IDLE_CREDIT, floor + SLICE_SECONDS]: a newcomer
+  running) starts at its own time, raised to floor - IDLE_CREDIT if below: a newcomer
   never starts at zero (it would take the device from everyone with history until it
-  caught up), an occasional short request still runs ahead of a busy stream, and a
-  user's own history neither banks credit nor counts against it for more than a slice.
+  caught up), idleness banks no more than IDLE_CREDIT (an occasional short request
+  still runs ahead of a busy stream), and a user who has used more than the others
+  keeps that debt however often it stops and starts (its DECODEs sit steps out).
 - **A step budget** (as chunked-prefill schedulers cap a step's tokens): while two or
-  more users share the device, a step may carry only as many rows as keep its predicted
-  time within STEP_RATIO of a step of its decode rows alone, so one user's long prompt
-  goes in chunk by chunk beside the others' decodes instead of as 512-row steps that
-  stall them. The prediction is fitted on the pool's own recent steps (StepCost), so
-  the budget follows the machine it runs on: no row count tuned on one CPU.
+  more users share the device, a step carries every decode row (or, with none, the
+  shortest prompt) and only as many more prompt rows as keep its time within
+  STEP_RATIO of a step of those alone, so one user's long prompt goes in chunk by chunk beside the
+  others' decodes instead of as 512-row steps that stall them. Both come from the pool's own steps (StepCost: a fit
+  of its decode-only steps, and the prompt rows steered by what shared steps really
+  took), so the budget follows the machine and the context depth it runs at: no row
+  count tuned on one CPU.
 - **Growth per user**: a pool reopened larger for a user's new agents pauses everyone
   in it; a user may cause at most GROWS_PER_MINUTE such reopens a minute.
 """
@@ -40,50 +43,58 @@ GROWS_PER_MINUTE = 4
 
 
 class StepCost:
-    """step seconds ~ base + per_row * rows, fitted by least squares on recent steps of
-    one pool (each older step weighs FORGET times less)."""
+    """What a step of one pool costs, learnt from its own steps: decode-only steps fit
+    seconds ~ base + per_row * rows, and shared steps give what a prompt row adds beyond
+    that (a prompt row deep in a long context costs far more than a decode row, so no
+    single per-row figure would do). Least squares and ratios of sums in which each older
+    step weighs FORGET times less."""
 
     FORGET = 0.9
 
     def __init__(self):
         self._n = self._r = self._t = self._rr = self._rt = 0.0
+        self._extra = self._prompt = 0.0     # seconds beyond the decodes' prediction, prompt rows
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, decode_rows: int, prompt_rows: int, seconds: float) -> None:
         f = self.FORGET
-        self._n = self._n * f + 1
-        self._r = self._r * f + rows
-        self._t = self._t * f + seconds
-        self._rr = self._rr * f + rows * rows
-        self._rt = self._rt * f + rows * seconds
+        if prompt_rows == 0:
+            self._n = self._n * f + 1
+            self._r = self._r * f + decode_rows
+            self._t = self._t * f + seconds
+            self._rr = self._rr * f + decode_rows * decode_rows
+            self._rt = self._rt * f + decode_rows * seconds
+            return
+        alone = self.predict(decode_rows) if decode_rows else 0.0
+        if alone is not None:
+            self._extra = self._extra * f + max(0.0, seconds - alone)
+            self._prompt = self._prompt * f + prompt_rows
 
-    def model(self) -> tuple[float, float] | None:
-        """(base, per_row) seconds, or None before any step. With steps of one size only,
-        or a fit that makes no sense, time is taken as proportional to rows (base 0): the
-        cautious reading, which gives the smallest budget."""
+    def predict(self, decode_rows: int) -> float | None:
+        """Seconds of a step of `decode_rows` decode rows alone (one at least), or None
+        before any. With steps of one size only, or a fit that makes no sense, time is
+        taken as proportional to rows (the cautious reading for more rows)."""
+        rows = max(1, decode_rows)
         if self._n == 0 or self._r <= 0:
             return None
         var = self._rr * self._n - self._r ** 2
         if var > 1e-9 * self._n ** 2:
             per_row = (self._rt * self._n - self._r * self._t) / var
             base = (self._t - per_row * self._r) / self._n
-            if per_row > 0 and base >= 0:
-                return base, per_row
-            if per_row <= 0:
-                return max(0.0, self._t / self._n), 0.0       # rows cost nothing more: no cap
-        return 0.0, self._t / self._r
+            if per_row >= 0 and base >= 0:
+                return base + per_row * rows
+        return rows * self._t / self._r
 
-    def rows_within(self, ratio: float, decode_rows: int, limit: int) -> int:
-        """Most rows whose predicted time is within `ratio` times that of `decode_rows`
-        rows alone (one at least), never more than `limit`."""
-        fit = self.model()
-        floor = max(1, decode_rows)
-        if fit is None:
-            return min(limit, floor + 1)
-        base, per_row = fit
-        if per_row <= 0:
+    def rows_within(self, ratio: float, base_rows: int, limit: int) -> int:
+        """Rows a shared step may carry: `base_rows` (the rows it must keep fast), and the
+        prompt rows whose added time keeps it within `ratio` of those alone (one at least;
+        one only, while nothing is known yet)."""
+        alone = self.predict(base_rows)
+        if alone is None or self._prompt == 0:
+            return min(limit, base_rows + 1)
+        per_prompt_row = self._extra / self._prompt
+        if per_prompt_row <= 0:
             return limit
-        target = ratio * (base + per_row * floor)
-        return max(floor, min(limit, int((target - base) / per_row + 1e-6)))
+        return min(limit, base_rows + max(1, int((ratio - 1) * alone / per_prompt_row + 1e-6)))
 
 
 class Policy:
@@ -103,8 +114,7 @@ class Policy:
         """uid has a DECODE and had none queued or running; `active`: the users who do."""
         others = active - {uid}
         floor = min(self.key(u) for u in others) if others else self.floor
-        own = self.vtime.get(uid, floor - IDLE_CREDIT)
-        self.vtime[uid] = min(max(own, floor - IDLE_CREDIT), floor + SLICE_SECONDS)
+        self.vtime[uid] = max(self.vtime.get(uid, floor - IDLE_CREDIT), floor - IDLE_CREDIT)
         self.seen(uid)
 
     def charge(self, costs: dict[int, float], active: set[int]) -> None:
@@ -141,13 +151,15 @@ class Policy:
         recent = {u for u, t in self._seen.items() if now - t < SHARING_WINDOW}
         return len(users | recent) >= 2
 
-    def step_rows(self, cost: StepCost, decode_rows: int, n_batch: int, sharing: bool) -> int:
-        """Rows the next step may carry: n_batch for one user alone; else the budget."""
+    def step_rows(self, cost: StepCost, base_rows: int, n_batch: int, sharing: bool) -> int:
+        """Rows the next step may carry: n_batch for one user alone; else the budget over
+        `base_rows`, the rows whose pace the step keeps (the scheduler's: its decode rows,
+        or, when none decodes, its shortest prompt)."""
         if not sharing:
             return n_batch
         if self.step_tokens > 0:
-            return min(n_batch, max(decode_rows + 1, self.step_tokens))
-        return max(decode_rows + 1, cost.rows_within(self.step_ratio, decode_rows, n_batch))
+            return min(n_batch, max(base_rows + 1, self.step_tokens))
+        return max(base_rows + 1, cost.rows_within(self.step_ratio, base_rows, n_batch))
 
     # ---- growth ---------------------------------------------------------------------------
     def may_grow(self, uid: int) -> bool:

@@ -22,6 +22,7 @@ class Loaded:
     measured_bytes: int = 0       # memory the load took (weights as really loaded)
     agents: set = field(default_factory=set)
     name: str = ""                # the path the first client named, for STATUS
+    context_bytes: tuple[int, int, int] | None = None   # (cells, KV bytes, compute bytes) of a measured context
 
 
 class ModelRegistry:

@@ -344,6 +344,7 @@ class Scheduler:
             busy.add(id(run.agent))
             self._waiting.remove(run)
             run.queued_s += time.perf_counter() - run.since
+            t0 = time.perf_counter()
             try:
                 if pool.seat_of(run.agent) is None:
                     entry = pool.seat(run.agent)
@@ -356,6 +357,7 @@ class Scheduler:
                     run.evicted = run.evicted or self._switch_evicted
                     run.sampler = Sampler()
             except Exception as exc:
+                self._charge({run.owner: time.perf_counter() - t0})   # a failed seat used the device too
                 self._finish(run, error=exc)
                 continue
             run.slices += 1
@@ -367,15 +369,16 @@ class Scheduler:
         return any(r.agent is run.agent and r.arrival < run.arrival for r in self._waiting)
 
     def _make_room(self, pool: Pool, run: Run) -> bool:
-        """Free a seat for `run`'s agent: pause idle residents (least recently used first);
+        """Free a seat for `run`'s agent: pause idle residents (its owner's own first, then
+        the least recently used; the time is charged to `run`'s owner);
         reopen the pool larger if agents were registered since it opened (its runs rejoin
         at once); else, if the batch is full of runs whose slice is over, the one of the
         user who has used the most gives its seat up. False when `run` must wait."""
         if pool.fits(run.agent):
             return True
         in_batch = {id(r.agent) for r in self._batch}
-        idle = sorted((s for s in pool.seats.values() if id(s.agent) not in in_batch),
-                      key=lambda s: s.agent.last_used)
+        idle = sorted((s for s in pool.seats.values() if id(s.agent) not in in_batch),   # its owner's own first
+                      key=lambda s: (s.agent.owner != run.owner, s.agent.last_used))
         seqs, cells = pool.need(run.agent)
         if pool.fits_after_flush(run.agent):
             pool.flush_tombs()     # the cells others left behind: freed, and the pool rebuilt at their cost
@@ -383,11 +386,14 @@ class Scheduler:
                 self._switch(pool, pool.rebuild_by)
             return pool.fits(run.agent)
         if len(pool.free_seqs) + len(idle) >= seqs and pool.cells_free + sum(s.cells for s in idle) >= cells:
+            t0 = time.perf_counter()
             for seat in idle:          # pausing them all would make room: pause only as many as needed
                 pool.unseat(seat.agent, pause=True)
                 run.evicted = run.evicted or seat.agent
                 if pool.fits(run.agent):
-                    return True
+                    break
+            self._charge({run.owner: time.perf_counter() - t0})
+            return True
         if pool.undersized(self.host.agents_of(pool.key)):
             if not self.policy.may_grow(run.owner):
                 return False       # its owner reopened pools too often this minute: it waits
@@ -404,8 +410,9 @@ class Scheduler:
     def _step(self) -> None:
         """One llama_decode for the batch: one token of each decoding run, then prompts and
         re-reads (DECODEs starting together from one point with their common tokens once,
-        common_prompts.py), the least-charged user's first, in what the step budget leaves
-        (policy.py); each user is charged the step's time by the rows it put in."""
+        common_prompts.py), the shortest first, in what the step budget leaves (policy.py:
+        kept within its ratio of the decode rows alone, or, with none, of the shortest
+        prompt alone); each user is charged the step's time by the rows it put in."""
         pool = self.live
         ctx = pool.ctx
         if self._step_batch is None or self._step_batch.capacity != ctx.n_batch \
@@ -414,8 +421,10 @@ class Scheduler:
         batch, plan, rows = self._step_batch.clear(), [], {}
         runs = self._in_step()
         decoding = [r for r in runs if self._input_len(pool, r) == 1]
-        prompts = sorted((r for r in runs if self._input_len(pool, r) > 1), key=self._order)
-        budget = min(ctx.n_batch, self.policy.step_rows(self._cost(pool), len(decoding), ctx.n_batch,
+        prompts = sorted((r for r in runs if self._input_len(pool, r) > 1),
+                         key=lambda r: (self._input_len(pool, r), self._order(r)))
+        base = len(decoding) or min((self._input_len(pool, r) for r in prompts), default=0)
+        budget = min(ctx.n_batch, self.policy.step_rows(self._cost(pool), base, ctx.n_batch,
                                                          self.policy.sharing(self._active())))
         for run in decoding:
             budget -= self._add_input(pool, batch, plan, rows, run, budget)
@@ -429,7 +438,7 @@ class Scheduler:
             plan += [(run, seat, len(run.feed), found[id(run)]) for run, seat in group]
             rows[group[0][0].owner] = rows.get(group[0][0].owner, 0) + trie.size
             budget -= trie.size
-        for run in sorted(rest, key=self._order):
+        for run in rest:
             budget -= self._add_input(pool, batch, plan, rows, run, budget)
         if not plan:
             return
@@ -441,7 +450,8 @@ class Scheduler:
                 self._fail(run, exc)
             return
         seconds = time.perf_counter() - t0
-        self._cost(pool).observe(batch.n_tokens, seconds)
+        decode_rows = sum(n for run, _, n, _ in plan if run in decoding)
+        self._cost(pool).observe(decode_rows, batch.n_tokens - decode_rows, seconds)
         self._charge(self.policy.by_rows(rows, seconds))
         for run, seat, n, row in plan:
             run.batch_max = max(run.batch_max, len(plan))
