@@ -165,3 +165,19 @@ def test_an_exact_pool_keeps_left_cells_in_its_tomb_and_is_not_rebuilt(conductor
     assert pool.exact and pool.rebuilds == 0 and pool.tomb_cells > 0
     assert pool.tomb_by.get(A, 0) > 0
     assert together == alone
+
+
+def test_a_document_whose_host_copy_does_not_fit_the_swap_budget_still_answers():
+    """A full swap share slows its owner, never refuses it: the prefix agent's document is
+    computed in the pool and used there; only its host copy is not kept."""
+    from corpus import DOC
+    c = Conductor(Ledger(lambda: 1 << 40), n_threads=1, swap=Ledger(lambda: 1000, name="SWAP"))
+    try:
+        c.register("p", "smollm2-135m", n_ctx=1024, owner=A, prefix=DOC)
+        first = c.decode("p", 6, "Question: who may use it?", owner=A)
+        assert first.generated_tokens == 6 and first.forked
+        assert c.get("p", A).prefix.snapshot is None and c.swap.allocated == 0
+        c.reset("p", owner=A)
+        assert c.decode("p", 6, "Question: who may use it?", owner=A).text == first.text
+    finally:
+        c.close()

@@ -154,7 +154,7 @@ class Policy:
     def step_rows(self, cost: StepCost, base_rows: int, n_batch: int, sharing: bool) -> int:
         """Rows the next step may carry: n_batch for one user alone; else the budget over
         `base_rows`, the rows whose pace the step keeps (the scheduler's: its decode rows,
-        or, when none decodes, its shortest prompt)."""
+        or, when none decodes, its shortest prompt, or none)."""
         if not sharing:
             return n_batch
         if self.step_tokens > 0:

@@ -423,7 +423,11 @@ class Scheduler:
         decoding = [r for r in runs if self._input_len(pool, r) == 1]
         prompts = sorted((r for r in runs if self._input_len(pool, r) > 1),
                          key=lambda r: (self._input_len(pool, r), self._order(r)))
-        base = len(decoding) or min((self._input_len(pool, r) for r in prompts), default=0)
+        # The rows whose pace the budget keeps: the decode rows; with none, the shortest
+        # prompt when two users' prompts share the step; else none (then a step stays
+        # short, so a user coming back meets no 512-row step in flight).
+        several = len({r.owner for r in runs}) > 1
+        base = len(decoding) or (min(self._input_len(pool, r) for r in prompts) if several else 0)
         budget = min(ctx.n_batch, self.policy.step_rows(self._cost(pool), base, ctx.n_batch,
                                                          self.policy.sharing(self._active())))
         for run in decoding:
