@@ -33,7 +33,7 @@ and reopened smaller.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from ..context import Context
@@ -96,7 +96,7 @@ class Pool:
         return max(256, cells), max(1 + self.exact, min(MAX_SEQS, seqs))
 
     def open(self, agents: list) -> None:
-        """Create the context for `agents` (every registered agent of this pool)."""
+        """Create the context for `agents` (those the pool is sized for: Conductor.agents_of)."""
         n_ctx, n_seqs = self.size_for(agents)
         self.rebuilds += self.stale
         self.ctx = self._new_context(self.loaded, n_ctx, n_seqs, self.exact)

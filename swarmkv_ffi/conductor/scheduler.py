@@ -229,12 +229,16 @@ class Scheduler:
         busy = {id(r.agent) for r in self._waiting + self._batch}
         return [op for op in self._ops if op.agent is None or id(op.agent) not in busy]
 
-    @staticmethod
-    def _run_op(op: _Op) -> None:
+    def _run_op(self, op: _Op) -> None:
+        """Run a closure between steps; its time is charged to its agent's owner (a RESET
+        loop is device time like any other)."""
+        t0 = time.perf_counter()
         try:
             op.result = op.fn()
         except BaseException as exc:
             op.error = exc
+        if op.agent is not None:
+            self._charge({op.agent.owner: time.perf_counter() - t0})
         op.done.set()
 
     def _tick(self) -> None:
@@ -351,15 +355,15 @@ class Scheduler:
                     run.swap_s += entry.swap_s
                     run.restored |= entry.restored
                     run.forked |= entry.forked
-                    self._charge({run.owner: entry.swap_s})
                 if not run.began:
                     self.host.begin(run)
                     run.evicted = run.evicted or self._switch_evicted
                     run.sampler = Sampler()
             except Exception as exc:
-                self._charge({run.owner: time.perf_counter() - t0})   # a failed seat used the device too
                 self._finish(run, error=exc)
                 continue
+            finally:     # seating and tokenizing are the scheduler's time too, failed or not
+                self._charge({run.owner: time.perf_counter() - t0})
             run.slices += 1
             run.slice_tokens = 0
             self._batch.append(run)
