@@ -86,7 +86,6 @@ class Agent:
     history: list[int] = field(default_factory=list)   # tokens whose KV is in the state
     pending: int | None = None            # last generated token, not yet decoded
     prefix: SharedPrefix | None = None    # the document it starts from (REGISTER prefix=)
-    decoded: bool = False                 # it has sent a DECODE: its pool makes room for it
 
     @property
     def key(self) -> str:
@@ -389,7 +388,7 @@ class Conductor:
         if not 1 <= max_tokens <= 4096:
             raise ConductorError("BAD_REQUEST", f"max_tokens must be in 1..4096, got {max_tokens}")
         agent = self.get(agent_id, owner)       # the owner's agent, looked up now
-        agent.last_used, agent.decoded = time.monotonic(), True
+        agent.last_used = time.monotonic()
         run = Run(agent, owner, prompt, max_tokens, should_stop or (lambda: False))
         t0 = time.perf_counter_ns()
         try:
@@ -440,11 +439,9 @@ class Conductor:
         agent.pending, run.began = None, True
 
     def agents_of(self, key: tuple[str, bool]) -> list[Agent]:
-        """The agents a pool is sized for: registered for it (one model, exact (prefix) or
-        not) and DECODEd at least once. An agent only registered costs the pool no cells,
-        so REGISTERs alone, of any n_ctx, never make others' pool reopen."""
+        """The registered agents a pool serves: one model, exact (prefix) or not."""
         with self._lock:
-            return [a for a in self.agents.values() if agent_pool_key(a) == key and a.decoded]
+            return [a for a in self.agents.values() if agent_pool_key(a) == key]
 
     def open_pool(self, key: tuple[str, bool], loaded: Loaded) -> Pool:
         return Pool(key, loaded, new_context=self._new_context, pause=self._pause,
