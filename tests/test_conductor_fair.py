@@ -116,7 +116,8 @@ def test_a_long_prompt_is_chunked_beside_another_users_decode(conductor, steps):
     assert len(steps[0]) == max(8, b_prompt + 1)  # B's prompt whole (the shortest), A's rows to the budget
     assert max(len(rows) for rows in steps[1:during_b - 1]) <= 8, [len(r) for r in steps[:during_b]]
     assert replies["a"].prompt_tokens > 600 and replies["a"].generated_tokens == 1
-    assert charged[A] > 3 * charged[B]          # by rows: ~7 of A's for each of B's in every step
+    assert charged[A] > 2 * charged[B]          # by rows: ~7 of A's for each of B's in every step
+                                                # (opening the pool and seating cost both too)
     agent = c.get("a", A)
     assert agent.history == [int(t) for t in agent.loaded.model.tokenize(long_prompt, add_special=True)]
 

@@ -130,8 +130,9 @@ def test_cell_churn_in_an_exact_pool_rebuilds_nobody(daemon, tmp):
     it gives alone, token for token."""
     doc = tmp / "doc.txt"
     ok(as_user(VICTIM, daemon, ("REGISTER v smollm2-135m n_ctx=1024 prefix=@fd", [doc]))[0])
-    ok(as_user(MALLORY, daemon, ("REGISTER m smollm2-135m n_ctx=1024 prefix=@fd", [doc]))[0])
-    alone = []                                    # (the pool opens sized for both: it never grows)
+    ok(as_user(MALLORY, daemon, ("REGISTER m smollm2-135m n_ctx=1024 prefix=@fd", [doc]),
+               "DECODE m 1 hi", "RESET m")[1])     # both have DECODEd: the pool never grows below
+    alone = []
     for q in QUESTIONS:
         reset, answer = as_user(VICTIM, daemon, "RESET v", f"DECODE v 12 {q}")
         alone.append(body(ok(answer)))

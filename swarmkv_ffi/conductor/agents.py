@@ -86,6 +86,7 @@ class Agent:
     history: list[int] = field(default_factory=list)   # tokens whose KV is in the state
     pending: int | None = None            # last generated token, not yet decoded
     prefix: SharedPrefix | None = None    # the document it starts from (REGISTER prefix=)
+    decoded: bool = False                 # it has sent a DECODE (pools are sized for it)
 
     @property
     def key(self) -> str:
@@ -388,7 +389,7 @@ class Conductor:
         if not 1 <= max_tokens <= 4096:
             raise ConductorError("BAD_REQUEST", f"max_tokens must be in 1..4096, got {max_tokens}")
         agent = self.get(agent_id, owner)       # the owner's agent, looked up now
-        agent.last_used = time.monotonic()
+        agent.last_used, agent.decoded = time.monotonic(), True
         run = Run(agent, owner, prompt, max_tokens, should_stop or (lambda: False))
         t0 = time.perf_counter_ns()
         try:
@@ -438,10 +439,14 @@ class Conductor:
         run.n_history, run.pending = len(agent.history), agent.pending
         agent.pending, run.began = None, True
 
-    def agents_of(self, key: tuple[str, bool]) -> list[Agent]:
-        """The registered agents a pool serves: one model, exact (prefix) or not."""
+    def agents_of(self, key: tuple[str, bool], sizing_for: set[int] | None = None) -> list[Agent]:
+        """The registered agents a pool serves: one model, exact (prefix) or not. With
+        `sizing_for` (the users a pool (re)opens for), only the agents that have DECODEd
+        and every agent of those users: a pool is never sized for another user's agents
+        that were only registered, so a REGISTER of a huge n_ctx costs only its owner."""
         with self._lock:
-            return [a for a in self.agents.values() if agent_pool_key(a) == key]
+            return [a for a in self.agents.values() if agent_pool_key(a) == key
+                    and (sizing_for is None or a.decoded or a.owner in sizing_for)]
 
     def open_pool(self, key: tuple[str, bool], loaded: Loaded) -> Pool:
         return Pool(key, loaded, new_context=self._new_context, pause=self._pause,

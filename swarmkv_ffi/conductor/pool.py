@@ -25,7 +25,7 @@ tomb's cells are needed for a seat are they freed (`flush_tombs`); the pool is t
 re-read, or its snapshot), charging the rebuild to the users who filled the tomb.
 
 A seat costs the agent's n_ctx in cells (less its document when it shares one), and the
-context is sized for every agent of the pool registered when it opens (plus the tomb's
+context is sized for the agents of the pool registered when it opens (Conductor.agents_of; plus the tomb's
 room), so the pool holds no more KV than the agents' bookings in the ledger cover and
 one agent's n_ctx; when agents leave and it holds more than that, it is `oversized`
 and reopened smaller.

@@ -311,8 +311,9 @@ class Scheduler:
 
     def _switch(self, pool: Pool, payers: dict[int, float]) -> None:
         """Make `pool` live: the batch leaves (its runs wait to rejoin), the live pool's
-        agents are paused to host RAM and its context freed; `pool` opens sized for
-        every agent registered for it now. `payers` (uid -> weight) are charged its time."""
+        agents are paused to host RAM and its context freed; `pool` opens sized for its
+        agents that have DECODEd and every agent of `payers` (uid -> weight), who are
+        charged its time."""
         t0 = time.perf_counter()
         for run in list(self._batch):
             self._to_waiting(run)
@@ -321,7 +322,7 @@ class Scheduler:
             paused = self.live.close()
             self._switch_evicted = last if last in paused else (paused[-1] if paused else None)
         self.live = pool
-        pool.open(self.host.agents_of(pool.key))
+        pool.open(self.host.agents_of(pool.key, sizing_for=set(payers)))
         self._turn_began = time.monotonic()
         cost = time.perf_counter() - t0
         for run in self._waiting:
@@ -398,7 +399,7 @@ class Scheduler:
                     break
             self._charge({run.owner: time.perf_counter() - t0})
             return True
-        if pool.undersized(self.host.agents_of(pool.key)):
+        if pool.undersized(self.host.agents_of(pool.key, sizing_for={run.owner})):
             if not self.policy.may_grow(run.owner):
                 return False       # its owner reopened pools too often this minute: it waits
             self.policy.grew(run.owner)
