@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from swarmkv_ffi.conductor.policy import (GROWS_PER_MINUTE, IDLE_CREDIT, SHARING_WINDOW, SLICE_SECONDS,
-                                          Policy, StepCost)
+from swarmkv_ffi.conductor.policy import (GROWS_PER_MINUTE, IDLE_CREDIT, MAX_STEP_SECONDS, SHARING_WINDOW,
+                                          SLICE_SECONDS, Policy, StepCost)
 
 V, M, N = 1, 2, 3     # a victim, a hostile user, a newcomer
 
@@ -124,9 +124,12 @@ def test_the_budget_follows_what_prompt_rows_really_cost():
     assert allowed[-10:] == [41] * 10                  # 20.5 ms more: 41 rows of 0.5 ms
 
 
-def test_one_user_alone_gets_whole_steps_and_nothing_known_is_cautious():
+def test_one_user_alone_gets_steps_of_a_slice_and_nothing_known_is_cautious():
     p = Policy()
-    assert p.step_rows(decode_steps(0.004, 0.002), 1, 512, sharing=False) == 512
+    cost = decode_steps(0.004, 0.002)
+    assert p.step_rows(cost, 1, 512, sharing=False) == 512          # prompt rows not seen yet
+    cost.observe(0, 100, 0.300)                                      # 3 ms a prompt row
+    assert p.step_rows(cost, 0, 512, sharing=False) == int(MAX_STEP_SECONDS / 0.003)
     assert p.step_rows(StepCost(), 3, 512, sharing=True) == 4
 
 

@@ -11,15 +11,24 @@ from swarmkv_ffi.cli import BENCHMARKS, build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+LINK = re.compile(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)")
+
+
+def anchors(page: Path) -> set[str]:
+    """The #fragments a Markdown page's headings answer to (GitHub's slugs)."""
+    heads = re.findall(r"^#+\s+(.*?)\s*$", page.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_opens(page):
-    for target in LINK.findall(page.read_text()):
+    for target, fragment in LINK.findall(page.read_text()):
         if "://" in target:
             continue
-        assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+        path = page.parent / target if target else page
+        assert path.exists(), f"{page.name} links to {target}, which does not exist"
+        if fragment:
+            assert fragment in anchors(path), f"{page.name} links to {target}#{fragment}: no such heading"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -28,13 +37,21 @@ def test_every_benchmark_named_exists(page):
     assert named <= set(BENCHMARKS), f"{page.name} names {sorted(named - set(BENCHMARKS))}"
 
 
+def test_the_synopsis_lists_exactly_the_benchmarks():
+    text = (ROOT / "README.md").read_text()
+    first, rest = re.search(r"^swarmkv bench NAME \[its options\]\s+(.*)\n\s+(.*)$", text, re.M).groups()
+    assert sorted((first + " " + rest).split()) == sorted(BENCHMARKS)
+
+
 def test_readme_is_short_and_has_the_two_commands():
     text = (ROOT / "README.md").read_text()
     assert len(text.encode()) <= 12 * 1024, len(text.encode())
     blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
     assert blocks[0].startswith("./build_llama.sh && python3 -m venv .venv")
     assert blocks[1].strip() == ".venv/bin/python -m pytest -q"
-    assert len(LINK.findall(text)) >= 9          # the docs map: one link per page
+    linked = {target for target, _ in LINK.findall(text)}
+    pages = {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")} | {"bench/README.md"}
+    assert pages <= linked, sorted(pages - linked)   # the docs map: every page, once at least
 
 
 def test_readme_synopsis_lists_every_subcommand():

@@ -107,7 +107,9 @@ def shared(plain: Plain, sampled: bool, n: int = N):
                       snapshot_in=plain.document)
 
 
-def assert_equal_to_plain(plain: Plain, res, sampled: bool) -> None:
+def assert_equal_to_plain(plain: Plain, res, sampled: bool, n: int) -> None:
+    assert sorted(b.index for b in res.branches) == list(range(n)), "branches went missing"
+    assert all(b.token_ids for b in res.branches), "a branch answered nothing"
     for b in res.branches:
         tokens, digests = plain.run(spec(b.index, sampled), b.index)
         assert b.token_ids == tokens, f"branch {b.index}: tokens differ from the plain run"
@@ -139,7 +141,7 @@ def check_against_plain(plain: Plain, sampled: bool, n: int, distinct_stops: int
     assert len(set(stops)) >= distinct_stops, stops
     res = shared(plain, sampled, n)
     assert res.n_prefix == plain.plan.layout.n_prefix
-    assert_equal_to_plain(plain, res, sampled)
+    assert_equal_to_plain(plain, res, sampled, n)
 
 
 @pytest.mark.slow
@@ -179,7 +181,12 @@ def test_exact_needs_flash_attention():
         FanoutConfig.of(exact=True, flash_attn="off")
 
 
-def test_exact_refuses_an_amx_build(monkeypatch):
+def test_exact_refuses_an_amx_build(monkeypatch, smol):
+    """Through the public entry points: an exact context, an exact plan and run_fanout."""
     monkeypatch.setattr(exact.library, "manifest", lambda: {"amx": True})
     with pytest.raises(ExactModeError, match="amx"):
-        exact.check_build()
+        Context(smol, ContextParams(n_ctx=256, flash_attn="on", batch_invariant=True))
+    with pytest.raises(ExactModeError, match="amx"):
+        plan_fanout(smol, "A short document.", [BranchSpec("Why?", max_tokens=2)], exact=True)
+    with pytest.raises(ExactModeError, match="amx"):
+        run_fanout(smol, "A short document.", [BranchSpec("Why?", max_tokens=2)], exact=True, cache=False)

@@ -23,6 +23,9 @@ QUESTIONS = [BranchSpec("Can I sell copies?", max_tokens=8), BranchSpec("What is
 
 
 def answers(result):
+    """The branches' tokens, after checking every question came back answered."""
+    assert sorted(b.index for b in result.branches) == list(range(len(QUESTIONS))), "branches went missing"
+    assert all(b.token_ids for b in result.branches), "a branch answered nothing"
     return [b.token_ids for b in result.branches]
 
 

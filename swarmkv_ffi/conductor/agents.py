@@ -197,6 +197,7 @@ class Conductor:
             raise ConductorError("MODEL_LOAD_FAILED", str(exc)) from None
         agent = Agent(agent_id, source.name, mf.path, n_ctx, loaded, est, mf, owner=owner,
                       measured_bytes=measured)
+        self.scheduler.policy.seen(owner)     # about to DECODE: it shares the device from now
         with self._lock:
             self.agents[(owner, agent_id)] = agent
         return agent

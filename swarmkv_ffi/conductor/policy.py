@@ -19,7 +19,8 @@ samples. This module decides, from costs alone, so it can be tested with made-up
   more users share the device, a step carries every decode row (or, with none, the
   shortest prompt) and only as many more prompt rows as keep its time within
   STEP_RATIO of a step of those alone, so one user's long prompt goes in chunk by chunk beside the
-  others' decodes instead of as 512-row steps that stall them. Both come from the pool's own steps (StepCost: a fit
+  others' decodes instead of as 512-row steps that stall them; one user alone gets
+  steps of up to MAX_STEP_SECONDS, so whoever arrives waits for no more than that. Both come from the pool's own steps (StepCost: a fit
   of its decode-only steps, and the prompt rows steered by what shared steps really
   took), so the budget follows the machine and the context depth it runs at: no row
   count tuned on one CPU.
@@ -36,9 +37,14 @@ IDLE_CREDIT = 0.5
 #: A step beside other users' decodes may take at most this times a step of the decode
 #: rows alone (predicted): another user's per-token time stays within it.
 STEP_RATIO = 2.0
-#: A user whose last DECODE ended this recently still counts as sharing the device: a
-#: victim between two DECODEs must not meet a 512-row step when it comes back.
+#: A user whose last DECODE ended (or who registered) this recently still counts as
+#: sharing the device: a victim between two DECODEs must not meet a 512-row step when
+#: it comes back.
 SHARING_WINDOW = 2.0
+#: One user alone still gets no step predicted longer than this: whoever arrives waits
+#: for at most one such step. (On a CPU a prompt row costs about as much in a step of 64
+#: rows as of 512, so this costs the lone user little.)
+MAX_STEP_SECONDS = 0.25
 GROWS_PER_MINUTE = 4
 
 
@@ -83,6 +89,13 @@ class StepCost:
             if per_row >= 0 and base >= 0:
                 return base + per_row * rows
         return rows * self._t / self._r
+
+    def rows_in(self, seconds: float, limit: int) -> int:
+        """Prompt rows a step of one user may carry to last about `seconds` (all of
+        `limit` while nothing is known yet)."""
+        if self._prompt == 0 or self._extra <= 0:
+            return limit
+        return max(1, min(limit, int(seconds * self._prompt / self._extra)))
 
     def rows_within(self, ratio: float, base_rows: int, limit: int) -> int:
         """Rows a shared step may carry: `base_rows` (the rows it must keep fast), and the
@@ -156,7 +169,7 @@ class Policy:
         `base_rows`, the rows whose pace the step keeps (the scheduler's: its decode rows,
         or, when none decodes, its shortest prompt, or none)."""
         if not sharing:
-            return n_batch
+            return cost.rows_in(MAX_STEP_SECONDS, n_batch)
         if self.step_tokens > 0:
             return min(n_batch, max(base_rows + 1, self.step_tokens))
         return max(base_rows + 1, cost.rows_within(self.step_ratio, base_rows, n_batch))
