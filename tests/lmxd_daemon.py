@@ -8,7 +8,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from swarmkv_ffi.conductor import protocol
@@ -164,3 +166,30 @@ def shared_tmp(prefix: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     os.chmod(tmp, 0o755)
     return tmp
+
+
+@contextmanager
+def scheduler_held(c):
+    """The scheduler thread waits inside a closure until the block ends: DECODEs sent
+    meanwhile queue, and its next step takes them all at once."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold():
+        entered.set()
+        release.wait(60)
+    t = threading.Thread(target=c.scheduler.call, args=(hold,))
+    t.start()
+    assert entered.wait(60)
+    try:
+        yield
+    finally:
+        release.set()
+        t.join(60)
+
+
+def queued(c, n: int) -> None:
+    """Wait until the in-process conductor `c` has n DECODEs queued."""
+    deadline = time.monotonic() + 60
+    while c.scheduler.waiting() < n:
+        assert time.monotonic() < deadline, "the DECODEs never queued"
+        time.sleep(0.005)

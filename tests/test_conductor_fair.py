@@ -4,10 +4,10 @@ of a test has arrived, and steps are counted by the rows handed to llama_decode.
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 
 import pytest
 
+from lmxd_daemon import queued, scheduler_held
 from swarmkv_ffi.conductor.agents import Conductor
 from swarmkv_ffi.conductor.ledger import Ledger
 from swarmkv_ffi.conductor.policy import Policy
@@ -37,37 +37,10 @@ def steps(monkeypatch):
     return seen
 
 
-@contextmanager
-def scheduler_held(c: Conductor):
-    """The scheduler thread waits inside a closure until the block ends: DECODEs sent
-    meanwhile queue, and its next step takes them all at once."""
-    entered, release = threading.Event(), threading.Event()
-
-    def hold():
-        entered.set()
-        release.wait(60)
-    t = threading.Thread(target=c.scheduler.call, args=(hold,))
-    t.start()
-    assert entered.wait(60)
-    try:
-        yield
-    finally:
-        release.set()
-        t.join(60)
-
-
 def send(c: Conductor, replies: dict, name: str, owner: int, n: int, prompt: str) -> threading.Thread:
     t = threading.Thread(target=lambda: replies.__setitem__(name, c.decode(name, n, prompt, owner=owner)))
     t.start()
     return t
-
-
-def queued(c: Conductor, n: int) -> None:
-    import time
-    deadline = time.monotonic() + 60
-    while c.scheduler.waiting() < n:
-        assert time.monotonic() < deadline, "the DECODEs never queued"
-        time.sleep(0.005)
 
 
 def test_common_opening_rows_are_shared_within_a_user_never_across_users(conductor, steps):

@@ -153,3 +153,49 @@ def test_only_the_daemons_own_user_may_name_a_prefix_path(tmp_path):
     assert access.prefix("@fd", os.getuid() + 4242, [fd]) == "a document"   # and closed it
     with pytest.raises(OSError):
         os.fstat(fd)
+
+
+@pytest.mark.slow
+@pytest.mark.fidelity
+def test_eight_agents_decode_the_document_once_and_answer_as_a_plain_run(monkeypatch):
+    """In process, every row handed to llama_decode counted: eight prefix agents asked one
+    after another decode the document once (then only their own tokens), and each answer
+    is the requested length and equals a plain exact run over document + question
+    (tests/plain.py: Context and Batch only)."""
+    from plain import greedy, one_token_per_decode
+    from swarmkv_ffi.batch import Batch
+    from swarmkv_ffi.conductor.agents import Conductor
+    from swarmkv_ffi.conductor.ledger import Ledger
+    from swarmkv_ffi.context import Context, ContextParams
+    rows, real = [0], Context.decode
+
+    def counting(self, batch):
+        rows[0] += batch.n_tokens
+        return real(self, batch)
+    c = Conductor(Ledger(lambda: 1 << 40), n_threads=2)
+    try:
+        for i in range(8):
+            c.register(f"a{i}", "smollm2-135m", n_ctx=1024, prefix=DOC)
+        model = c.get("a0").loaded.model
+        doc = [int(t) for t in model.tokenize(DOC)]
+        monkeypatch.setattr(Context, "decode", counting)
+        replies = [c.decode(f"a{i}", 12, f" Question: {QUESTIONS[i % 4]} Answer:") for i in range(8)]
+        monkeypatch.setattr(Context, "decode", real)
+        own = sum(r.prompt_tokens + r.generated_tokens - (not r.stopped_on_eog) for r in replies)
+        assert rows[0] == len(doc) + own, (rows[0], len(doc), own)        # the document once
+        for i in (0, 5):
+            agent, r = c.get(f"a{i}"), replies[i]
+            assert r.generated_tokens == 12 and r.text.strip()
+            question = [int(t) for t in model.tokenize(f" Question: {QUESTIONS[i % 4]} Answer:", add_special=False)]
+            assert agent.history[:len(doc) + len(question)] == doc + question
+            params = ContextParams(n_ctx=1024, n_batch=512, n_ubatch=512, flash_attn="on", swa_full=True,
+                                   batch_invariant=True, n_threads=2)
+            with Context(model, params) as ctx:
+                ctx.decode_tokens(doc + question[:-1], logits_last=False)
+                batch = Batch(8)
+                row = batch.add(question[-1], len(doc) + len(question) - 1, (0,), logits=True)
+                ctx.decode(batch)
+                tokens, _ = one_token_per_decode(ctx, batch, row, len(doc) + len(question), 12, greedy)
+            assert agent.history[len(doc) + len(question):] + [agent.pending] == tokens
+    finally:
+        c.close()

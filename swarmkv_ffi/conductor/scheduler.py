@@ -226,8 +226,13 @@ class Scheduler:
                     self._finish(run, error=RuntimeError("the scheduler failed; see the daemon's log"))
 
     def _ready_ops(self) -> list[_Op]:
+        """Closures that may run now: their agent has no DECODE queued or running, and their
+        owner is not sitting steps out (a loop of REGISTER/UNREGISTER or RESET is device
+        time like a DECODE's, and waits its turn the same way)."""
         busy = {id(r.agent) for r in self._waiting + self._batch}
-        return [op for op in self._ops if op.agent is None or id(op.agent) not in busy]
+        stepping = {r.owner for r in self._batch}     # (users whose DECODEs wait for a seat do not count)
+        return [op for op in self._ops if op.agent is None or (
+            id(op.agent) not in busy and op.agent.owner in self.policy.stepping(stepping | {op.agent.owner}))]
 
     def _run_op(self, op: _Op) -> None:
         """Run a closure between steps; its time is charged to its agent's owner (a RESET
@@ -375,7 +380,8 @@ class Scheduler:
 
     def _make_room(self, pool: Pool, run: Run) -> bool:
         """Free a seat for `run`'s agent: pause idle residents (its owner's own first, then
-        the least recently used; the time is charged to `run`'s owner);
+        the least recently used of others: freely those of users holding as many cells,
+        the rest as often as its owner may reopen a pool; charged to `run`'s owner);
         reopen the pool larger if agents were registered since it opened (its runs rejoin
         at once); else, if the batch is full of runs whose slice is over, the one of the
         user who has used the most gives its seat up. False when `run` must wait."""
@@ -390,6 +396,22 @@ class Scheduler:
             if pool.stale:
                 self._switch(pool, pool.rebuild_by)
             return pool.fits(run.agent)
+        held: dict[int, int] = {}
+        for seat in pool.seats.values():
+            held[seat.agent.owner] = held.get(seat.agent.owner, 0) + seat.cells
+        mine = held.get(run.owner, 0) + cells
+        free_to_pause = [s for s in idle if s.agent.owner == run.owner or held[s.agent.owner] >= mine]
+        if len(free_to_pause) < len(idle):
+            # Pausing a user who holds fewer cells than `run`'s owner would costs it a swap
+            # it did not cause: as rare as a reopen (policy.may_grow); those who hold as
+            # many or more may always be paused.
+            if len(pool.free_seqs) + len(free_to_pause) >= seqs and \
+                    pool.cells_free + sum(s.cells for s in free_to_pause) >= cells:
+                idle = free_to_pause
+            elif self.policy.may_grow(run.owner):
+                self.policy.grew(run.owner)
+            else:
+                idle = free_to_pause
         if len(pool.free_seqs) + len(idle) >= seqs and pool.cells_free + sum(s.cells for s in idle) >= cells:
             t0 = time.perf_counter()
             for seat in idle:          # pausing them all would make room: pause only as many as needed
