@@ -22,9 +22,9 @@ DOC = LICENCE[:2400]
 QUESTIONS = [BranchSpec("Can I sell copies?", max_tokens=8), BranchSpec("What is a Contribution?", max_tokens=8)]
 
 
-def answers(result):
-    """The branches' tokens, after checking every question came back answered."""
-    assert sorted(b.index for b in result.branches) == list(range(len(QUESTIONS))), "branches went missing"
+def answers(result, n: int = len(QUESTIONS)):
+    """The branches' tokens, after checking all n questions came back answered."""
+    assert sorted(b.index for b in result.branches) == list(range(n)), "branches went missing"
     assert all(b.token_ids for b in result.branches), "a branch answered nothing"
     return [b.token_ids for b in result.branches]
 
@@ -78,7 +78,7 @@ def test_a_corrupt_entry_is_dropped_and_recomputed(smol, tmp_path, damage, caplo
         else:
             path.write_bytes(b"not a snapshot at all")
     again = run_fanout(smol, DOC[:1200], QUESTIONS[:1], n_batch=128, cache=cache)
-    assert again.cached_tokens == 0 and answers(again) == answers(cold)
+    assert again.cached_tokens == 0 and answers(again, 1) == answers(cold, 1)
     assert "dropping bad entry" in caplog.text
     third = run_fanout(smol, DOC[:1200], QUESTIONS[:1], n_batch=128, cache=cache)
     assert third.prefill_skipped                               # recomputed and stored again
