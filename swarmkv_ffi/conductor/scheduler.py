@@ -387,31 +387,13 @@ class Scheduler:
         user who has used the most gives its seat up. False when `run` must wait."""
         if pool.fits(run.agent):
             return True
-        in_batch = {id(r.agent) for r in self._batch}
-        idle = sorted((s for s in pool.seats.values() if id(s.agent) not in in_batch),   # its owner's own first
-                      key=lambda s: (s.agent.owner != run.owner, s.agent.last_used))
         seqs, cells = pool.need(run.agent)
         if pool.fits_after_flush(run.agent):
             pool.flush_tombs()     # the cells others left behind: freed, and the pool rebuilt at their cost
             if pool.stale:
                 self._switch(pool, pool.rebuild_by)
             return pool.fits(run.agent)
-        held: dict[int, int] = {}
-        for seat in pool.seats.values():
-            held[seat.agent.owner] = held.get(seat.agent.owner, 0) + seat.cells
-        mine = held.get(run.owner, 0) + cells
-        free_to_pause = [s for s in idle if s.agent.owner == run.owner or held[s.agent.owner] >= mine]
-        if len(free_to_pause) < len(idle):
-            # Pausing a user who holds fewer cells than `run`'s owner would costs it a swap
-            # it did not cause: as rare as a reopen (policy.may_grow); those who hold as
-            # many or more may always be paused.
-            if len(pool.free_seqs) + len(free_to_pause) >= seqs and \
-                    pool.cells_free + sum(s.cells for s in free_to_pause) >= cells:
-                idle = free_to_pause
-            elif self.policy.may_grow(run.owner):
-                self.policy.grew(run.owner)
-            else:
-                idle = free_to_pause
+        idle = self._pausable(pool, run, seqs, cells)
         if len(pool.free_seqs) + len(idle) >= seqs and pool.cells_free + sum(s.cells for s in idle) >= cells:
             t0 = time.perf_counter()
             for seat in idle:          # pausing them all would make room: pause only as many as needed
@@ -432,6 +414,28 @@ class Scheduler:
         if done:
             self._to_waiting(max(done, key=self._order))
         return False
+
+    def _pausable(self, pool: Pool, run: Run, seqs: int, cells: int) -> list:
+        """The idle seats `run` may pause for a seat, in order: its owner's own, then others'
+        least recently used. Those of users who hold as many cells as `run`'s owner would
+        may always be paused; pausing a user who holds fewer costs it a swap it did not
+        cause, so it counts as a reopen (policy.may_grow)."""
+        in_batch = {id(r.agent) for r in self._batch}
+        idle = sorted((s for s in pool.seats.values() if id(s.agent) not in in_batch),
+                      key=lambda s: (s.agent.owner != run.owner, s.agent.last_used))
+        held: dict[int, int] = {}
+        for seat in pool.seats.values():
+            held[seat.agent.owner] = held.get(seat.agent.owner, 0) + seat.cells
+        mine = held.get(run.owner, 0) + cells
+        free = [s for s in idle if s.agent.owner == run.owner or held[s.agent.owner] >= mine]
+        if len(free) == len(idle):
+            return idle
+        if len(pool.free_seqs) + len(free) >= seqs and pool.cells_free + sum(s.cells for s in free) >= cells:
+            return free
+        if self.policy.may_grow(run.owner):
+            self.policy.grew(run.owner)
+            return idle
+        return free
 
     # ---- one step ---------------------------------------------------------------------------
     def _step(self) -> None:
