@@ -155,9 +155,8 @@ def test_a_user_may_reopen_pools_larger_only_so_often():
     clock = Clock()
     p = Policy(clock=clock)
     for _ in range(GROWS_PER_MINUTE):
-        assert p.may_grow(M)
-        p.grew(M)
-    assert not p.may_grow(M)
-    assert p.may_grow(V)                   # others are not held to M's count
+        assert p.reopen(M)
+    assert not p.reopen(M)
+    assert p.reopen(V)                     # others are not held to M's count
     clock.now += 61
-    assert p.may_grow(M)
+    assert p.reopen(M)

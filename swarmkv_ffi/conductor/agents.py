@@ -33,7 +33,7 @@ from .ledger import Ledger, LedgerDenied
 from .modelfile import LoadableCopy, ModelFile, ModelSource, check_unchanged, fd_path
 from .quotas import UNLIMITED, Quotas
 from .policy import Policy
-from .pool import Pool, Seat
+from .pool import Pool, Seat, pool_key
 from .registry import Loaded, ModelRegistry
 from .scheduler import Run, Scheduler, Stopping
 
@@ -114,11 +114,6 @@ class DecodeResult:
     slices: int = 0            # times it joined a batch
     batch: int = 0             # the most agents decoded in one step with it
     forked: bool = False       # it shares its document's cells in the pool
-
-
-def agent_pool_key(agent: Agent) -> tuple[str, bool]:
-    """The pool an agent decodes in: its model file, and exact (prefix agents) or not."""
-    return agent.file.key, agent.prefix is not None
 
 
 def named_source(model: str) -> ModelSource:
@@ -324,7 +319,7 @@ class Conductor:
                 del self.agents[(owner, agent_id)]
             self._unseat(agent)
             self._leave_pools(agent)
-            key = agent_pool_key(agent)
+            key = pool_key(agent)
             self.scheduler.shrink(key, self.agents_of(key), agent.owner)
         self.scheduler.call(leave, agent)
         self._free(agent)
@@ -446,7 +441,7 @@ class Conductor:
         and every agent of those users: a pool is never sized for another user's agents
         that were only registered, so a REGISTER of a huge n_ctx costs only its owner."""
         with self._lock:
-            return [a for a in self.agents.values() if agent_pool_key(a) == key
+            return [a for a in self.agents.values() if pool_key(a) == key
                     and (sizing_for is None or a.decoded or a.owner in sizing_for)]
 
     def open_pool(self, key: tuple[str, bool], loaded: Loaded) -> Pool:

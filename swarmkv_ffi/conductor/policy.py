@@ -175,12 +175,14 @@ class Policy:
         return max(base_rows + 1, cost.rows_within(self.step_ratio, base_rows, n_batch))
 
     # ---- growth ---------------------------------------------------------------------------
-    def may_grow(self, uid: int) -> bool:
-        """uid may cause another reopen of a pool larger (GROWS_PER_MINUTE a minute)."""
+    def reopen(self, uid: int) -> bool:
+        """uid is about to cause a reopen of a pool (or a pause of another user's agent):
+        True, and counted, while it has caused fewer than GROWS_PER_MINUTE in the last
+        minute; False, and nothing counted, when it must wait."""
         recent = self._grows.setdefault(uid, deque())
         while recent and self._clock() - recent[0] > 60:
             recent.popleft()
-        return len(recent) < GROWS_PER_MINUTE
-
-    def grew(self, uid: int) -> None:
-        self._grows.setdefault(uid, deque()).append(self._clock())
+        if len(recent) >= GROWS_PER_MINUTE:
+            return False
+        recent.append(self._clock())
+        return True

@@ -43,6 +43,11 @@ from ..snapshot import Snapshot
 MAX_SEQS = 256
 
 
+def pool_key(agent) -> tuple[str, bool]:
+    """The pool an agent decodes in: its model file, and exact (prefix agents) or not."""
+    return agent.file.key, agent.prefix is not None
+
+
 @dataclass
 class Seat:
     """A resident agent's sequence. kv_len: how many of the agent's history tokens have

@@ -37,7 +37,7 @@ from ..batch import Batch
 from ..sampler import Sampler
 from .common_prompts import PromptTrie
 from .policy import SLICE_SECONDS, Policy, StepCost
-from .pool import Pool
+from .pool import Pool, pool_key
 
 log = logging.getLogger("lmxd")
 
@@ -85,7 +85,7 @@ class Run:
 
     @property
     def pool_key(self) -> tuple[str, bool]:
-        return self.agent.file.key, self.agent.prefix is not None
+        return pool_key(self.agent)
 
 
 class _Op:
@@ -196,7 +196,7 @@ class Scheduler:
             if self.live is pool:
                 self.live = None
             self._charge({owner: time.perf_counter() - t0})
-        else:        # (as rare as the reopens that grew it: policy.may_grow)
+        else:        # (as rare as the reopens that grew it: policy.reopen)
             pool.resize = True
             pool.rebuild_by[owner] = pool.rebuild_by.get(owner, 0) + 1
 
@@ -404,9 +404,8 @@ class Scheduler:
             self._charge({run.owner: time.perf_counter() - t0})
             return True
         if pool.undersized(self.host.agents_of(pool.key, sizing_for={run.owner})):
-            if not self.policy.may_grow(run.owner):
+            if not self.policy.reopen(run.owner):
                 return False       # its owner reopened pools too often this minute: it waits
-            self.policy.grew(run.owner)
             self._switch(pool, {run.owner: 1.0})     # agents registered since it opened: reopen it larger
             return pool.fits(run.agent)
         done = [r for r in self._batch if r.slice_tokens >= SLICE_TOKENS
@@ -419,7 +418,7 @@ class Scheduler:
         """The idle seats `run` may pause for a seat, in order: its owner's own, then others'
         least recently used. Those of users who hold as many cells as `run`'s owner would
         may always be paused; pausing a user who holds fewer costs it a swap it did not
-        cause, so it counts as a reopen (policy.may_grow)."""
+        cause, so it counts as a reopen (policy.reopen)."""
         in_batch = {id(r.agent) for r in self._batch}
         idle = sorted((s for s in pool.seats.values() if id(s.agent) not in in_batch),
                       key=lambda s: (s.agent.owner != run.owner, s.agent.last_used))
@@ -432,8 +431,7 @@ class Scheduler:
             return idle
         if len(pool.free_seqs) + len(free) >= seqs and pool.cells_free + sum(s.cells for s in free) >= cells:
             return free
-        if self.policy.may_grow(run.owner):
-            self.policy.grew(run.owner)
+        if self.policy.reopen(run.owner):
             return idle
         return free
 
