@@ -302,6 +302,11 @@ def cmd_bench(args) -> int:
     return module.main(args.rest)
 
 
+def cmd_serve(args) -> int:
+    from .serve.cli import main as serve_main
+    return serve_main(args.rest)
+
+
 def _add_model_args(p, *, max_tokens=64):
     p.add_argument("--model", default=catalog.DEFAULT_MODEL,
                    help=f"short name ({', '.join(catalog.CATALOG)}) or path to a .gguf "
@@ -390,6 +395,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("probe", help="find the first graph node whose result depends on the batch "
                                  "(`swarmkv probe --help`)", add_help=False).set_defaults(func=cmd_probe)
 
+    # Its options are its own (swarmkv_ffi/serve/cli.py), as probe's.
+    sub.add_parser("serve", help="an OpenAI-compatible server that shares every common prefix "
+                                 "(`swarmkv serve --help`)", add_help=False).set_defaults(func=cmd_serve)
+
     p = sub.add_parser("bench", help="benchmarks (`swarmkv bench NAME --help`)",
                        description="Each benchmark prints its figures and writes JSON that records "
                                    "its settings, the libllama build and the machine.",
@@ -404,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command == "probe":
+    if args.command in ("probe", "serve"):
         args.rest = extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

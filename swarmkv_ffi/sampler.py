@@ -1,6 +1,8 @@
 """Sampler: libllama's sampler chain (greedy, or top-k → top-p → min-p → temperature → dist)."""
 from __future__ import annotations
 
+import numpy as np
+
 from . import library
 from ._owned import Owned
 
@@ -49,3 +51,14 @@ class Sampler(Owned):
     def reset(self) -> None:
         self._check_open()
         self._lib.llama_sampler_reset(self._handle)
+
+
+def logprobs(logits, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability of `token` under the model's distribution (the logits before
+    any sampler), and the `top` most likely tokens with theirs, most likely first."""
+    x = np.asarray(logits, dtype=np.float64)
+    shifted = x - x.max()
+    logz = np.log(np.exp(shifted).sum())
+    best = np.argpartition(-x, top)[:top] if top else np.empty(0, dtype=np.int64)
+    best = best[np.argsort(-x[best], kind="stable")]
+    return float(shifted[token] - logz), [(int(t), float(shifted[t] - logz)) for t in best]

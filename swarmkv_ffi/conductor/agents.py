@@ -87,6 +87,8 @@ class Agent:
     pending: int | None = None            # last generated token, not yet decoded
     prefix: SharedPrefix | None = None    # the document it starts from (REGISTER prefix=)
     decoded: bool = False                 # it has sent a DECODE (pools are sized for it)
+    want: list[int] | None = None         # a server request's prompt tokens (forked from kept cells)
+    exact: bool = False                   # decodes in an exact pool without a document (serve --exact)
 
     @property
     def key(self) -> str:
@@ -434,6 +436,9 @@ class Conductor:
         run.prompt_tokens, run.feed = len(new), tokens
         run.n_history, run.pending = len(agent.history), agent.pending
         agent.pending, run.began = None, True
+
+    def finished(self, run: Run) -> None:
+        """A DECODE has ended (the scheduler's thread): lmxd's agents keep their seats."""
 
     def agents_of(self, key: tuple[str, bool], sizing_for: set[int] | None = None) -> list[Agent]:
         """The registered agents a pool serves: one model, exact (prefix) or not. With

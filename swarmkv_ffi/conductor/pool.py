@@ -29,6 +29,13 @@ context is sized for the agents of the pool registered when it opens (Conductor.
 room), so the pool holds no more KV than the agents' bookings in the ledger cover and
 one agent's n_ctx; when agents leave and it holds more than that, it is `oversized`
 and reopened smaller.
+
+A pool of the OpenAI-compatible server (serve/) has a fixed size and keeps the cells of
+finished requests (`kept`, least recently used first out) so that a later request that
+starts with the same tokens forks them instead of decoding them again: a radix cache
+over the pool's cells, matched per owner (kept.py). A seat there still books its whole
+n_ctx, whatever it forked: the sum of seats and kept entries bounds the cells in use
+however entries share cells, so evicting one can never overfill the pool.
 """
 from __future__ import annotations
 
@@ -38,14 +45,16 @@ from typing import Callable
 
 from ..context import Context
 from ..snapshot import Snapshot
+from .kept import Kept, longest_common_prefix
 
 #: llama.cpp's LLAMA_MAX_SEQ: sequences one context can hold.
 MAX_SEQS = 256
 
 
 def pool_key(agent) -> tuple[str, bool]:
-    """The pool an agent decodes in: its model file, and exact (prefix agents) or not."""
-    return agent.file.key, agent.prefix is not None
+    """The pool an agent decodes in: its model file, and exact (prefix agents, and the
+    server's requests under --exact) or not."""
+    return agent.file.key, agent.prefix is not None or agent.exact
 
 
 @dataclass
@@ -73,8 +82,10 @@ class Pool:
     keep_prefix(agent, snapshot), the document's host copy; drop_saved(agent)."""
 
     def __init__(self, key: tuple[str, bool], loaded, *, new_context: Callable, pause: Callable,
-                 keep_prefix: Callable, drop_saved: Callable):
+                 keep_prefix: Callable, drop_saved: Callable, fixed: tuple[int, int] | None = None,
+                 share_kept: bool = False):
         self.key, self.loaded, self.exact = key, loaded, key[1]
+        self.fixed, self.share_kept = fixed, share_kept   # (cells, sequences); kept cells across owners
         self._new_context, self._pause, self._keep_prefix = new_context, pause, keep_prefix
         self._drop_saved = drop_saved
         self.ctx: Context | None = None
@@ -90,11 +101,15 @@ class Pool:
         self.rebuild_by: dict[int, float] = {}    # who pays the next rebuild (uid -> weight)
         self.rebuilds = 0                         # times it was reopened while open (STATUS)
         self.last: object | None = None           # the agent stepped last (the one reported evicted)
+        self.kept: dict[int, Kept] = {}           # seq -> a finished request's cells, kept as cache
 
     # ---- opening and closing ------------------------------------------------------------
     def size_for(self, agents: list) -> tuple[int, int]:
         """(cells, sequences) that seat every one of `agents` and their documents; an exact
-        pool also has the tomb, and one agent's n_ctx of cells for it to fill."""
+        pool also has the tomb, and one agent's n_ctx of cells for it to fill. A fixed pool
+        (the server's) has the size it was given."""
+        if self.fixed is not None:
+            return self.fixed[0], min(MAX_SEQS, self.fixed[1] + self.exact)
         prefixes = {a.prefix.key for a in agents if a.prefix is not None}
         seqs = len(agents) + len(prefixes) + self.exact
         cells = sum(a.n_ctx for a in agents) + (self.exact and max((a.n_ctx for a in agents), default=0))
@@ -108,7 +123,7 @@ class Pool:
         self.free_seqs = list(range(self.ctx.n_seq_max - 1, -1, -1))
         self.tomb = self.free_seqs.pop(0) if self.exact else None
         self.cells_free = self.ctx.n_ctx
-        self.seats, self.docs, self.scrambled, self.resize = {}, {}, False, False
+        self.seats, self.docs, self.kept, self.scrambled, self.resize = {}, {}, {}, False, False
         self.tomb_cells, self.tomb_by, self.rebuild_by = 0, {}, {}
 
     def close(self) -> list:
@@ -124,7 +139,7 @@ class Pool:
         """Free the context without pausing anyone (the daemon stops, or the model went)."""
         if self.ctx is not None:
             self.ctx.close()
-        self.ctx, self.seats, self.docs = None, {}, {}
+        self.ctx, self.seats, self.docs, self.kept = None, {}, {}, {}
 
     @property
     def is_open(self) -> bool:
@@ -146,11 +161,13 @@ class Pool:
     def undersized(self, agents: list) -> bool:
         """Agents were registered since the context was made: it cannot seat them all."""
         n_ctx, n_seqs = self.size_for(agents)
-        return n_ctx > self.ctx.n_ctx or n_seqs > self.ctx.n_seq_max
+        return self.fixed is None and (n_ctx > self.ctx.n_ctx or n_seqs > self.ctx.n_seq_max)
 
     def oversized(self, agents: list) -> bool:
         """Agents left: it holds more than one agent's n_ctx of cells beyond what the rest
         booked in the ledger (which books cells to agents only)."""
+        if self.fixed is not None:
+            return False
         booked = max(256, sum(a.n_ctx for a in agents))
         return self.ctx.n_ctx > booked + max((a.n_ctx for a in agents), default=0)
 
@@ -175,6 +192,9 @@ class Pool:
                 kv_len, cells = len(agent.history), agent.n_ctx
                 self._drop_saved(agent)
                 entry.restored = True
+            elif agent.want is not None and not agent.history:
+                kv_len, cells = self._fork_kept(agent, seq), agent.n_ctx   # (books its whole n_ctx: see above)
+                entry.forked = kv_len > 0
             elif agent.prefix is not None and self._tokens_follow_document(agent):
                 entry.restored = self._fork_document(agent, seq)
                 entry.forked = True
@@ -187,7 +207,7 @@ class Pool:
             self._retire(seq, 0, agent.owner)
             self.free_seqs.append(seq)
             raise
-        own_from = agent.prefix.n_tokens if entry.forked else 0
+        own_from = agent.prefix.n_tokens if entry.forked and agent.prefix is not None else 0
         self.seats[agent.key] = Seat(seq, agent, kv_len, cells, own_from)
         self.cells_free -= cells
         agent.state = "active"
@@ -220,6 +240,78 @@ class Pool:
             self.cells_free -= p.n_tokens
         self.ctx.seq_cp(self.docs[p.key][0], seq, 0, p.n_tokens)
         return restored
+
+    # ---- kept cells: the server's radix cache (kept.py) ---------------------------------
+    def _matches(self, agent):
+        """(tokens, seq) of every sequence `agent` may fork from: kept ones and seated
+        agents' KV, its owner's only unless the operator shares them."""
+        for seq, kept in self.kept.items():
+            if self.share_kept or kept.owner == agent.owner:
+                yield kept.tokens, seq
+        for seat in self.seats.values():
+            other = seat.agent
+            if other is not agent and (self.share_kept or other.owner == agent.owner):
+                yield other.history[:seat.kv_len], seat.seq
+
+    def match(self, agent) -> tuple[int, int | None]:
+        """The longest prefix of agent.want this pool holds cells for, and the sequence
+        holding it; at most all but the last token, whose logits the request needs."""
+        best, best_seq = 0, None
+        for tokens, seq in self._matches(agent):
+            n = min(longest_common_prefix(tokens, agent.want), len(agent.want) - 1)
+            if n > best:
+                best, best_seq = n, seq
+        return best, best_seq
+
+    def coming(self, agent) -> int:
+        """The longest prefix of agent.want that a running request of its owner (or of
+        anyone, when shared) is about to decode but has not yet: worth waiting for."""
+        best = 0
+        for seat in self.seats.values():
+            other = seat.agent
+            if other is agent or other.want is None or not (self.share_kept or other.owner == agent.owner):
+                continue
+            n = min(longest_common_prefix(other.want, agent.want), len(agent.want) - 1)
+            if n > seat.kv_len:
+                best = max(best, n)
+        return best
+
+    def _fork_kept(self, agent, seq: int) -> int:
+        n, src = self.match(agent)
+        if n:
+            self.ctx.seq_cp(src, seq, 0, n)
+            agent.history = list(agent.want[:n])
+            if src in self.kept:
+                self.kept[src].last_used = time.monotonic()
+        return n
+
+    def keep(self, agent) -> None:
+        """A finished request leaves its seat: its cells stay as a kept sequence (the
+        unused rest of its n_ctx goes back to the pool)."""
+        seat = self.seats.pop(agent.key, None)
+        if seat is None:
+            return
+        if self.last is agent:
+            self.last = None
+        tokens = agent.history[:seat.kv_len]
+        self.cells_free += seat.cells - len(tokens)
+        self.kept[seat.seq] = Kept(agent.owner, tokens)
+        if not tokens:
+            self.evict(seat.seq)
+
+    def evict(self, seq: int) -> None:
+        kept = self.kept.pop(seq)
+        self.cells_free += len(kept.tokens)
+        self._retire(seq, 0, kept.owner)
+        self.free_seqs.append(seq)
+
+    def evict_for(self, agent) -> bool:
+        """Drop kept sequences, least recently used first, until `agent` fits."""
+        for seq in sorted(self.kept, key=lambda s: self.kept[s].last_used):
+            if self.fits(agent):
+                break
+            self.evict(seq)
+        return self.fits(agent)
 
     def unseat(self, agent, pause: bool) -> None:
         """Free `agent`'s sequence; pause=True keeps its KV in host RAM first (or marks it
@@ -258,14 +350,14 @@ class Pool:
         the tomb, while anyone else is in it: freeing them would let new tokens of another
         sequence land below its older cells (see the module's docstring)."""
         held = self.ctx.seq_pos_max(seq) + 1
-        if self.exact and held > p0 and (self.seats or self.docs):
+        if self.exact and held > p0 and (self.seats or self.docs or self.kept):
             self.ctx.seq_cp(seq, self.tomb, p0, -1)
             n = held - max(p0, 0)
             self.tomb_cells += n
             self.cells_free -= n
             self.tomb_by[owner] = self.tomb_by.get(owner, 0) + n
         self.ctx.seq_rm(seq, p0, -1)
-        if self.exact and not (self.seats or self.docs):
+        if self.exact and not (self.seats or self.docs or self.kept):
             self.flush_tombs()          # nobody left whose order matters
 
     def fits_after_flush(self, agent) -> bool:
@@ -278,6 +370,11 @@ class Pool:
         by the users who filled the tomb."""
         if not self.tomb_cells:
             return
+        if not (self.seats or self.docs):
+            for seq in list(self.kept):        # cheaper to drop than to rebuild
+                self.evict(seq)
+            if not self.tomb_cells:
+                return
         self.ctx.seq_rm(self.tomb)
         self.cells_free += self.tomb_cells
         if self.seats or self.docs:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..batch import Batch
-from ..sampler import Sampler
+from ..sampler import Sampler, logprobs
 from .common_prompts import PromptTrie
 from .policy import SLICE_SECONDS, Policy, StepCost
 from .pool import Pool, pool_key
@@ -46,6 +46,9 @@ SLICE_TOKENS = 32
 #: most GATHER_MAX): agents that send at once start in one step, not one step each.
 GATHER_GAP = 0.002
 GATHER_MAX = 0.02
+#: A server request waits for a running request of its owner to decode a common opening
+#: of at least this many more tokens than the pool already holds, then forks it.
+WAIT_FOR_PREFIX = 32
 
 
 class Stopping(Exception):
@@ -81,6 +84,10 @@ class Run:
     swap_s: float = 0.0
     since: float = field(default_factory=time.perf_counter)   # when it last began waiting
     sampler: Sampler | None = None
+    sampling: dict = field(default_factory=dict)   # Sampler settings (temp, top_p, seed)
+    top_logprobs: int | None = None   # report each token's logprob and this many alternatives
+    on_token: Callable | None = None  # (token, logprobs or None) after each one; False ends the run
+    cached: int = 0               # prompt tokens whose cells were forked, not decoded (serve)
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -347,7 +354,7 @@ class Scheduler:
         pool = self.live
         busy = {id(r.agent) for r in self._batch}
         for run in sorted((r for r in self._waiting if r.pool_key == pool.key), key=self._order):
-            if id(run.agent) in busy or self._earlier_run_of(run):
+            if id(run.agent) in busy or self._earlier_run_of(run) or self._prefix_coming(pool, run):
                 continue
             if pool.seat_of(run.agent) is None and not self._make_room(pool, run):
                 continue
@@ -364,7 +371,7 @@ class Scheduler:
                 if not run.began:
                     self.host.begin(run)
                     run.evicted = run.evicted or self._switch_evicted
-                    run.sampler = Sampler()
+                    run.sampler = Sampler(**run.sampling)
             except Exception as exc:
                 self._finish(run, error=exc)
                 continue
@@ -378,6 +385,16 @@ class Scheduler:
     def _earlier_run_of(self, run: Run) -> bool:
         return any(r.agent is run.agent and r.arrival < run.arrival for r in self._waiting)
 
+    @staticmethod
+    def _prefix_coming(pool: Pool, run: Run) -> bool:
+        """A server request whose opening a running request is decoding right now waits
+        for it and forks its cells (kept.py): requests sent together over one document
+        prefill it once."""
+        agent = run.agent
+        if agent.want is None or agent.history or pool.seat_of(agent) is not None:
+            return False
+        return pool.coming(agent) >= pool.match(agent)[0] + WAIT_FOR_PREFIX
+
     def _make_room(self, pool: Pool, run: Run) -> bool:
         """Free a seat for `run`'s agent: pause idle residents (its owner's own first, then
         the least recently used of others: freely those of users holding as many cells,
@@ -385,7 +402,7 @@ class Scheduler:
         reopen the pool larger if agents were registered since it opened (its runs rejoin
         at once); else, if the batch is full of runs whose slice is over, the one of the
         user who has used the most gives its seat up. False when `run` must wait."""
-        if pool.fits(run.agent):
+        if pool.fits(run.agent) or (pool.kept and pool.evict_for(run.agent)):
             return True
         seqs, cells = pool.need(run.agent)
         if pool.fits_after_flush(run.agent):
@@ -561,7 +578,11 @@ class Scheduler:
             return
         run.generated.append(token)
         run.slice_tokens += 1
-        if len(run.generated) >= run.max_tokens:
+        more = True
+        if run.on_token is not None:
+            ranked = None if run.top_logprobs is None else logprobs(ctx.logits(row), token, run.top_logprobs)
+            more = run.on_token(token, ranked)
+        if not more or len(run.generated) >= run.max_tokens:
             run.agent.pending = token       # decoded with the next prompt
             self._finish(run)
         else:
@@ -583,6 +604,7 @@ class Scheduler:
         run.agent.last_used = time.monotonic()
         self.policy.seen(run.owner)
         run.error = error
+        self.host.finished(run)
         run.done.set()
 
     def _cancel(self, run: Run) -> None:

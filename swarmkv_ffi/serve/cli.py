@@ -1,0 +1,129 @@
+"""`swarmkv serve`: an OpenAI-compatible server that shares every common prefix.
+
+Agents that speak the OpenAI API (the `openai` client, LangChain, agent SDKs) send it
+chat or completion requests as they would to any endpoint. Requests that start with the
+same tokens (a document as the system message, a conversation's earlier turns, the n
+choices of one request) share their KV cells in one pool: only what is new is decoded,
+and the requests decoding together read a shared document's cells once per step.
+docs/serve.md says more.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from .. import catalog
+from ..conductor.policy import Policy
+from .keys import Keys
+
+log = logging.getLogger("swarmkv.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="swarmkv serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=catalog.DEFAULT_MODEL,
+                   help="a packaged short name or a path to a .gguf file (default: %(default)s)")
+    p.add_argument("--name", default=None, help="the model id clients send (default: --model as given)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
+    p.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: libllama's)")
+    p.add_argument("--ctx-size", type=int, default=32768,
+                   help="KV cells of the pool: every running request's prompt + max_tokens and the "
+                        "cached prefixes share them (default: 32768)")
+    p.add_argument("--parallel", type=int, default=64,
+                   help="sequences in the pool: requests running plus kept prefixes (default: 64)")
+    p.add_argument("--exact", action="store_true",
+                   help="batch-invariant kernels: a request's answer does not depend on what else runs")
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY)")
+    keys.add_argument("--api-key-file", type=Path, default=None,
+                      help="one key per line (optionally followed by a name): each key is a principal "
+                           "with its own fair share, quota and cache")
+    p.add_argument("--share-prefixes", action="store_true",
+                   help="let every key reuse every key's cached prefixes (off: a cached prefix's speed "
+                        "would tell one key what another asked)")
+    p.add_argument("--default-max-tokens", type=int, default=1024,
+                   help="max_tokens of a chat request that sends none (default: 1024)")
+    p.add_argument("--max-requests", type=int, default=256,
+                   help="choices running or queued at once, all keys (default: 256; more get 503)")
+    p.add_argument("--max-requests-per-key", type=int, default=64,
+                   help="choices running or queued at once per key (default: 64; more get 429)")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (default: 8 MiB)")
+    p.add_argument("--budget-bytes", type=int, default=None,
+                   help="memory the server may book (default: 90%% of the host's, less what others use)")
+    p.add_argument("--allow-remote-without-key", action="store_true",
+                   help="listen on a non-loopback address with no API key (anyone who reaches it may use it)")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="libllama's log (-vv: uvicorn's access log)")
+    return p
+
+
+def check_args(args) -> Keys:
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.ctx_size < 512:
+        raise ValueError(f"--ctx-size must be at least 512 cells, got {args.ctx_size}")
+    if args.default_max_tokens < 1 or args.max_requests < 1 or args.max_requests_per_key < 1:
+        raise ValueError("--default-max-tokens, --max-requests and --max-requests-per-key must be >= 1")
+    if args.max_body_bytes < 1024:
+        raise ValueError("--max-body-bytes must be at least 1024")
+    if args.api_key is not None:
+        if len(args.api_key) < 8:
+            raise ValueError("--api-key must be at least 8 characters")
+        keys = Keys({args.api_key: "key1"})
+    elif args.api_key_file is not None:
+        keys = Keys.from_file(args.api_key_file)
+    else:
+        keys = Keys()
+    if not keys.required and not is_loopback(args.host) and not args.allow_remote_without_key:
+        raise ValueError(f"--host {args.host} is reachable from other machines and no API key is set; "
+                         "pass --api-key/--api-key-file (or --allow-remote-without-key)")
+    return keys
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    from .app import create_app
+    from .engine import ServeEngine
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("swarmkv_ffi.llama").setLevel(logging.INFO if args.verbose else logging.CRITICAL)
+    keys = check_args(args)
+    name = args.name or args.model
+    engine = ServeEngine(args.model, cells=args.ctx_size, seqs=args.parallel, threads=args.threads,
+                         exact=args.exact, share_prefixes=args.share_prefixes, budget_bytes=args.budget_bytes,
+                         max_requests=args.max_requests, max_per_principal=args.max_requests_per_key,
+                         policy=Policy())
+    app = create_app(engine, name, keys, args.max_body_bytes, args.default_max_tokens)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose > 1 else "warning",
+                            access_log=args.verbose > 1, limit_concurrency=args.max_requests + 64,
+                            timeout_keep_alive=5, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    mode = "exact" if args.exact else "fast"
+    print(f"swarmkv serve: {name} ({engine.base.path.name}, {mode} mode, {args.ctx_size} cells, "
+          f"{args.parallel} sequences) on http://{args.host}:{args.port}/v1"
+          f"{'' if keys.required else ' (no API key)'}", file=sys.stderr, flush=True)
+    try:
+        server.run()
+    finally:
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

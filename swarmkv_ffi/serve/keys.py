@@ -1,0 +1,57 @@
+"""API keys and the principals they stand for.
+
+Each key is one principal: lmxd's fair share, in-flight quota and cache isolation are
+per principal, as they are per uid on lmxd's socket. Principals are numbered from
+PRINCIPAL_BASE so that they never collide with a real uid. Without keys every request
+is the one principal OPEN (the server then listens on loopback only, unless told).
+A key file holds one key per line, optionally followed by a name used in logs;
+blank lines and lines starting with # are skipped.
+"""
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+PRINCIPAL_BASE = 1 << 20
+OPEN = PRINCIPAL_BASE
+
+
+class Keys:
+    def __init__(self, keys: dict[str, str] | None = None):
+        self._keys = list((keys or {}).items())      # key -> name, in order
+
+    @classmethod
+    def from_file(cls, path: Path) -> "Keys":
+        keys = {}
+        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, _, name = line.partition(" ")
+            if len(key) < 8:
+                raise ValueError(f"{path}:{n}: an API key must be at least 8 characters")
+            if key in keys:
+                raise ValueError(f"{path}:{n}: this key appears twice")
+            keys[key] = name.strip() or f"key{len(keys) + 1}"
+        if not keys:
+            raise ValueError(f"{path} holds no key")
+        return cls(keys)
+
+    @property
+    def required(self) -> bool:
+        return bool(self._keys)
+
+    def principal(self, authorization: str | None) -> int | None:
+        """The principal of an `Authorization: Bearer KEY` header, or None. Every key is
+        compared in constant time, so the answer's time tells nothing of the keys."""
+        if not self._keys:
+            return OPEN
+        given = (authorization or "").removeprefix("Bearer ").strip().encode()
+        found = None
+        for i, (key, _) in enumerate(self._keys):
+            if hmac.compare_digest(given, key.encode()):
+                found = PRINCIPAL_BASE + 1 + i
+        return found
+
+    def name(self, principal: int) -> str:
+        return "open" if principal == OPEN else self._keys[principal - PRINCIPAL_BASE - 1][1]

@@ -1,0 +1,101 @@
+"""The request bodies of the OpenAI API that the server takes, validated by pydantic.
+
+Fields the server does not act on (tools, response_format, user, metadata, …) are
+accepted and ignored, as agents send them; the ones it acts on are checked here, so a
+bad value is a 400 naming the field before any work starts.
+"""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_N = 16
+MAX_STOP = 4
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """What both endpoints share."""
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, v):
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        return v
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def settings(self, choice: int) -> dict:
+        """The Sampler's settings for choice `choice`: each choice its own seed, so n > 1
+        with a temperature gives n different draws that a seed reproduces."""
+        if self.temperature == 0:
+            return {}
+        seed = None if self.seed is None else self.seed + choice
+        return {"temp": self.temperature, "top_p": self.top_p, "seed": seed}
+
+    @property
+    def usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def ranked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(Sampling):
+    prompt: Union[str, list[str]]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+
+    def limit(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else 16   # OpenAI's default here
+
+    def ranked(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else self.prompt

@@ -1,0 +1,47 @@
+"""Generated tokens to text as they come, with OpenAI's stop strings.
+
+A token may end in the middle of a UTF-8 character, and a stop string may span tokens,
+so text goes out only once it is whole and cannot be the start of a stop string; the
+stop string itself is never sent.
+"""
+from __future__ import annotations
+
+import codecs
+
+
+class TextStream:
+    def __init__(self, model, stop: list[str]):
+        self.model, self.stop = model, [s for s in stop if s]
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._text = ""       # decoded, not sent yet
+        self.sent = ""
+        self.stopped = False  # a stop string was found
+
+    def feed(self, token: int) -> str:
+        """The text that may go out after `token` (maybe none); sets `stopped`."""
+        self._text += self._utf8.decode(self.model.token_bytes(token))
+        for s in self.stop:
+            at = self._text.find(s)
+            if at >= 0:
+                self._text, self.stopped = self._text[:at], True
+        if self.stopped:
+            return self.flush()
+        keep = self._held_back()
+        out, self._text = self._text[:len(self._text) - keep], self._text[len(self._text) - keep:]
+        self.sent += out
+        return out
+
+    def _held_back(self) -> int:
+        """How many trailing characters could begin a stop string."""
+        for n in range(min(len(self._text), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
+            if any(s.startswith(self._text[-n:]) for s in self.stop):
+                return n
+        return 0
+
+    def flush(self) -> str:
+        """Everything not sent yet (the generation ended)."""
+        if not self.stopped:
+            self._text += self._utf8.decode(b"", final=True)
+        out, self._text = self._text, ""
+        self.sent += out
+        return out
