@@ -63,6 +63,26 @@ def server_binary(given: Path | None, prog: str) -> Path | None:
     return path
 
 
+def start_healthy(cmd: list[str], url: str, log, what: str) -> subprocess.Popen:
+    """Start an HTTP server and wait until its /health answers 200 (at most 120 s)."""
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {' '.join(cmd)}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"{what} did not become healthy within 120 s")
+        time.sleep(0.2)
+
+
 class Server:
     """llama-server on a free local port, with its defaults plus model, threads, port."""
 
@@ -72,21 +92,7 @@ class Server:
         cmd = [str(binary), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(self.port),
                "-t", str(threads), "--no-webui", *extra]
         self.log = open(os.devnull, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 120
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {' '.join(cmd)}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.time() > deadline:
-                self.close()
-                raise RuntimeError("llama-server did not become healthy within 120 s")
-            time.sleep(0.2)
+        self.proc = start_healthy(cmd, self.url, self.log, "llama-server")
 
     def complete(self, prompt: str, n_predict: int) -> dict:
         body = json.dumps({"prompt": prompt, "n_predict": n_predict, "temperature": 0.0,

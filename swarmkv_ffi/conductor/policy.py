@@ -158,6 +158,10 @@ class Policy:
     def seen(self, uid: int) -> None:
         self._seen[uid] = self._clock()
 
+    def forget(self, uid: int) -> None:
+        """uid will not DECODE (the server's own base agent): it shares nothing."""
+        self._seen.pop(uid, None)
+
     def sharing(self, users: set[int]) -> bool:
         """Two or more users have DECODEs now or had one within SHARING_WINDOW."""
         now = self._clock()

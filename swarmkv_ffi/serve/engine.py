@@ -91,6 +91,9 @@ class ServeEngine:
         except BaseException:
             self.memory.close()
             raise
+        # The base agent never decodes: its REGISTER must not make the first requests
+        # look as if another user shared the device (their steps would be kept short).
+        self.conductor.scheduler.policy.forget(self.base.owner)
         self.model = self.base.loaded.model
         self.cells, self.exact = cells, exact
         self.max_requests, self.max_per_principal = max_requests, max_per_principal

@@ -6,20 +6,20 @@ stop string itself is never sent.
 """
 from __future__ import annotations
 
-import codecs
+from ..generate import TextStream as Pieces
 
 
 class TextStream:
     def __init__(self, model, stop: list[str]):
-        self.model, self.stop = model, [s for s in stop if s]
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.stop = [s for s in stop if s]
+        self._pieces = Pieces(model)
         self._text = ""       # decoded, not sent yet
         self.sent = ""
         self.stopped = False  # a stop string was found
 
     def feed(self, token: int) -> str:
         """The text that may go out after `token` (maybe none); sets `stopped`."""
-        self._text += self._utf8.decode(self.model.token_bytes(token))
+        self._text += self._pieces.push(token)
         for s in self.stop:
             at = self._text.find(s)
             if at >= 0:
@@ -41,7 +41,7 @@ class TextStream:
     def flush(self) -> str:
         """Everything not sent yet (the generation ended)."""
         if not self.stopped:
-            self._text += self._utf8.decode(b"", final=True)
+            self._text += self._pieces.flush()
         out, self._text = self._text, ""
         self.sent += out
         return out

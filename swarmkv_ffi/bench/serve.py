@@ -1,0 +1,246 @@
+"""`swarmkv bench serve`: `swarmkv serve` against llama.cpp's llama-server, as agents use them.
+
+Both servers are driven by the official `openai` Python client with the same requests,
+the same model, threads and greedy sampling. llama-server is llama.cpp's stock build from
+the same pin (`./build_llama.sh --tools`), started with `-np SLOTS --kv-unified` and a
+context of SLOTS x the cells one agent needs; ours with a pool as large. Every scenario
+runs on a fresh server of each side (nothing cached from another scenario), after one
+warm-up request:
+
+    at_once     N agents: the same document as the system message, a question each, sent together
+    one_by_one  the same N requests, one after another (llama-server's prompt cache shares the prefix)
+    turns       A agents x T turns, at once: each turn appends the answer and a follow-up
+    exact       ours with --exact: the N requests at once vs each sent alone, token for token
+    overhead    a 1-token request over HTTP vs the same prompt through generate() in process
+
+Reported: wall seconds per side, llama-server's / ours, tokens, prompt tokens served from
+cache (usage.prompt_tokens_details.cached_tokens, where a side reports it), and how many
+answers have the same text on both sides (the two builds' kernels round differently).
+Output: serve.json in --out.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from .. import catalog
+from .measure import at_once, document_of, report_json, settings_of
+from .peer import Server, free_port, server_binary, start_healthy
+
+QUESTIONS = ["What is this document about?", "Who may use the work?", "What must be kept in copies?",
+             "What is excluded?", "Can I sell copies?", "What happens if I sue?", "What is a Contribution?",
+             "Is there a warranty?", "Who is a Contributor?", "What is a Derivative Work?",
+             "Can I change the license?", "What is the NOTICE file for?", "Are trademarks granted?",
+             "When does the patent license end?", "What is Legal Entity?", "Must I state my changes?"]
+FOLLOW_UPS = ["Say more about that.", "Give an example.", "Summarise your answer in one sentence."]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Ours:
+    """`swarmkv serve` on a free loopback port."""
+
+    def __init__(self, args, cells: int, exact: bool = False):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "swarmkv_ffi.cli", "serve", "--model", args.model, "--port", str(self.port),
+               "--threads", str(args.threads), "--ctx-size", str(cells), "--parallel", "128"]
+        self.log = open(os.devnull, "w")
+        self.proc = start_healthy(cmd + (["--exact"] if exact else []), self.url, self.log, "swarmkv serve")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        self.log.close()
+
+
+def theirs(args, slots: int, cells_per_slot: int) -> Server:
+    return Server(args.server, args.model_path, args.threads,
+                  ["-np", str(slots), "--kv-unified", "-c", str(slots * cells_per_slot)])
+
+
+def client_of(server, model: str):
+    from openai import OpenAI
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                   temperature=0)
+    return client
+
+
+def ask(client, model: str, messages: list[dict], gen: int):
+    return client.chat.completions.create(model=model, messages=messages, max_tokens=gen, temperature=0)
+
+
+def cached_of(reply) -> int | None:
+    details = getattr(reply.usage, "prompt_tokens_details", None)
+    return getattr(details, "cached_tokens", None) if details is not None else None
+
+
+def summary(wall_s: float, replies: list) -> dict:
+    cached = [cached_of(r) for r in replies]
+    return {"total_s": wall_s, "texts": [r.choices[0].message.content for r in replies],
+            "completion_tokens": sum(r.usage.completion_tokens for r in replies),
+            "prompt_tokens": sum(r.usage.prompt_tokens for r in replies),
+            "cached_tokens": None if None in cached else sum(cached)}
+
+
+def agents_of(doc: str, n: int) -> list[list[dict]]:
+    return [[{"role": "system", "content": doc}, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+            for i in range(n)]
+
+
+def run_at_once(client, args, doc: str) -> dict:
+    ms, replies = at_once([lambda m=m: ask(client, args.model, m, args.gen) for m in agents_of(doc, args.n)])
+    return summary(ms / 1e3, replies)
+
+
+def run_one_by_one(client, args, doc: str) -> dict:
+    t0 = time.perf_counter()
+    replies = [ask(client, args.model, m, args.gen) for m in agents_of(doc, args.n)]
+    return summary(time.perf_counter() - t0, replies)
+
+
+def run_turns(client, args, doc: str) -> dict:
+    def conversation(messages: list[dict]) -> list:
+        replies = []
+        for turn in range(args.turns):
+            reply = ask(client, args.model, messages, args.gen)
+            replies.append(reply)
+            messages = messages + [{"role": "assistant", "content": reply.choices[0].message.content},
+                                   {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]}]
+        return replies
+    ms, out = at_once([lambda m=m: conversation(m) for m in agents_of(doc, args.agents)])
+    return summary(ms / 1e3, [r for replies in out for r in replies])
+
+
+def compared(name: str, ours: dict, server: dict) -> dict:
+    row = {"scenario": name, "ours": ours, "server": server, "server_over_ours": server["total_s"] / ours["total_s"],
+           "same_text": sum(a == b for a, b in zip(ours["texts"], server["texts"])), "answers": len(ours["texts"])}
+    log(f"{name:>10}: ours {ours['total_s']:.2f} s, llama-server {server['total_s']:.2f} s, "
+        f"llama-server / ours {row['server_over_ours']:.2f}x; cached prompt tokens ours {ours['cached_tokens']} "
+        f"llama-server {server['cached_tokens']}; same text {row['same_text']}/{row['answers']}")
+    return row
+
+
+def scenario(args, name: str, fn, slots: int, cells_per_slot: int, doc: str) -> dict:
+    results = {}
+    for side in ("ours", "server"):
+        server = Ours(args, slots * cells_per_slot) if side == "ours" else theirs(args, slots, cells_per_slot)
+        try:
+            results[side] = fn(client_of(server, args.model), args, doc)
+        finally:
+            server.close()
+    return compared(name, results["ours"], results["server"])
+
+
+def exact_row(args, doc: str) -> dict:
+    """Ours with --exact: the N requests at once, then each alone on a fresh server."""
+    cells = args.n * (args.doc_tokens + 256)
+    together = Ours(args, cells, exact=True)
+    try:
+        at = run_at_once(client_of(together, args.model), args, doc)
+    finally:
+        together.close()
+    alone_server = Ours(args, cells, exact=True)
+    try:
+        client = client_of(alone_server, args.model)
+        alone = [ask(client, args.model, m, args.gen).choices[0].message.content for m in agents_of(doc, args.n)]
+    finally:
+        alone_server.close()
+    same = sum(a == b for a, b in zip(at["texts"], alone))
+    log(f"     exact: {same}/{args.n} answers among {args.n - 1} others equal the same request alone "
+        f"(at once {at['total_s']:.2f} s)")
+    return {"scenario": "exact", "at_once": at, "alone_texts": alone, "same_as_alone": same, "answers": args.n}
+
+
+def overhead_row(args) -> dict:
+    """A 1-token request through HTTP, the pool and the scheduler, against the same
+    prompt through generate() on a loaded model: median seconds of `--overhead-requests`
+    prompts, each new (nothing cached)."""
+    from ..context import Context
+    from ..generate import generate
+    from ..model import Model
+    prompts = [[{"role": "user", "content": f"Request {i}: say hello to {QUESTIONS[i % len(QUESTIONS)]}"}]
+               for i in range(args.overhead_requests)]
+    server = Ours(args, 4096)
+    try:
+        client = client_of(server, args.model)
+        http = []
+        for p in prompts:
+            t0 = time.perf_counter()
+            ask(client, args.model, p, 1)
+            http.append(time.perf_counter() - t0)
+    finally:
+        server.close()
+    with Model(args.model_path) as model, Context(model, n_ctx=512, n_threads=args.threads) as ctx:
+        local = []
+        for p in prompts:
+            tokens = model.tokenize(model.apply_chat_template(p), parse_special=True)
+            ctx.clear()
+            t0 = time.perf_counter()
+            generate(ctx, tokens, max_tokens=1)
+            local.append(time.perf_counter() - t0)
+    row = {"scenario": "overhead", "http_s": statistics.median(http), "generate_s": statistics.median(local)}
+    row["http_over_generate"] = row["http_s"] / row["generate_s"]
+    log(f"  overhead: a 1-token request {row['http_s'] * 1e3:.1f} ms over HTTP, {row['generate_s'] * 1e3:.1f} ms "
+        f"through generate(): {row['http_over_generate']:.2f}x")
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="swarmkv bench serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=catalog.DEFAULT_MODEL, help="a packaged short name (default: %(default)s)")
+    ap.add_argument("--n", type=int, default=16, help="agents in at_once, one_by_one and exact (default 16)")
+    ap.add_argument("--gen", type=int, default=32, help="max_tokens of every request (default 32)")
+    ap.add_argument("--doc-tokens", type=int, default=1600, help="the document's length (default 1600)")
+    ap.add_argument("--agents", type=int, default=8, help="agents in turns (default 8)")
+    ap.add_argument("--turns", type=int, default=3, help="turns per agent in turns (default 3)")
+    ap.add_argument("--overhead-requests", type=int, default=12, help="1-token requests in overhead (default 12)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="CPU threads, both sides")
+    ap.add_argument("--server", type=Path, default=None,
+                    help="llama-server binary (default: the stock one from ./build_llama.sh --tools)")
+    ap.add_argument("--scenarios", default="at_once,one_by_one,turns,exact,overhead",
+                    help="which to run (default: all)")
+    ap.add_argument("--out", type=Path, default=None, help="folder for serve.json")
+    args = ap.parse_args(argv)
+    wanted = args.scenarios.split(",")
+    unknown = set(wanted) - {"at_once", "one_by_one", "turns", "exact", "overhead"}
+    if unknown:
+        ap.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
+    args.server = server_binary(args.server, "swarmkv bench serve")
+    if args.server is None:
+        return 2
+    args.model_path = catalog.resolve(args.model)
+    from ..model import Model
+    with Model(args.model_path) as model:
+        doc = document_of(model, args.doc_tokens)
+    per_agent = args.doc_tokens + 128 + args.gen
+    per_conversation = args.doc_tokens + args.turns * (64 + args.gen) + 64
+    rows = []
+    if "at_once" in wanted:
+        rows.append(scenario(args, "at_once", run_at_once, args.n, per_agent, doc))
+    if "one_by_one" in wanted:
+        rows.append(scenario(args, "one_by_one", run_one_by_one, args.n, per_agent, doc))
+    if "turns" in wanted:
+        rows.append(scenario(args, "turns", run_turns, args.agents, per_conversation, doc))
+    if "exact" in wanted:
+        rows.append(exact_row(args, doc))
+    if "overhead" in wanted:
+        rows.append(overhead_row(args))
+    report = {"benchmark": "serve", "model": args.model,
+              "server_flags": f"-np SLOTS --kv-unified -c SLOTS*cells -t {args.threads} (its defaults otherwise)",
+              "rows": rows}
+    shown = [{k: v for k, v in r.items() if not isinstance(v, (dict, list))} for r in rows]
+    report_json(report, args.out / "serve.json" if args.out else None, settings_of(args), shown={"rows": shown})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
