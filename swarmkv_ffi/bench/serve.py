@@ -129,14 +129,19 @@ def compared(name: str, ours: dict, server: dict) -> dict:
 
 
 def scenario(args, name: str, fn, slots: int, cells_per_slot: int, doc: str) -> dict:
-    results = {}
-    for side in ("ours", "server"):
-        server = Ours(args, slots * cells_per_slot) if side == "ours" else theirs(args, slots, cells_per_slot)
-        try:
-            results[side] = fn(client_of(server, args.model), args, doc)
-        finally:
-            server.close()
-    return compared(name, results["ours"], results["server"])
+    """`--repeat` runs of each side, alternated (so drift on the machine hits both): the
+    run of median time of each, with every run's time."""
+    runs = {"ours": [], "server": []}
+    for r in range(args.repeat):
+        for side in (("ours", "server") if r % 2 == 0 else ("server", "ours")):
+            server = Ours(args, slots * cells_per_slot) if side == "ours" else theirs(args, slots, cells_per_slot)
+            try:
+                runs[side].append(fn(client_of(server, args.model), args, doc))
+            finally:
+                server.close()
+    median = {side: {**sorted(got, key=lambda x: x["total_s"])[len(got) // 2],
+                     "runs_s": [x["total_s"] for x in got]} for side, got in runs.items()}
+    return compared(name, median["ours"], median["server"])
 
 
 def exact_row(args, doc: str) -> dict:
@@ -203,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--agents", type=int, default=8, help="agents in turns (default 8)")
     ap.add_argument("--turns", type=int, default=3, help="turns per agent in turns (default 3)")
     ap.add_argument("--overhead-requests", type=int, default=12, help="1-token requests in overhead (default 12)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of each side per scenario, alternated; the median is reported (default 1)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="CPU threads, both sides")
     ap.add_argument("--server", type=Path, default=None,
                     help="llama-server binary (default: the stock one from ./build_llama.sh --tools)")

@@ -114,10 +114,12 @@ class Policy:
     """Virtual time, the floor, the step budget and growth limits of every user.
     step_tokens > 0 fixes the step budget at that many rows instead of STEP_RATIO."""
 
-    def __init__(self, step_ratio: float = STEP_RATIO, step_tokens: int = 0, clock=time.monotonic):
+    def __init__(self, step_ratio: float = STEP_RATIO, step_tokens: int = 0, clock=time.monotonic,
+                 lone_step_seconds: float | None = MAX_STEP_SECONDS):
         self.vtime: dict[int, float] = {}
         self.floor = 0.0
         self.step_ratio, self.step_tokens = step_ratio, step_tokens
+        self.lone_step_seconds = lone_step_seconds     # None: a user alone gets whole n_batch steps
         self._clock = clock
         self._seen: dict[int, float] = {}           # uid -> when it last had a DECODE
         self._grows: dict[int, deque] = {}
@@ -173,7 +175,7 @@ class Policy:
         `base_rows`, the rows whose pace the step keeps (the scheduler's: its decode rows,
         or, when none decodes, its shortest prompt, or none)."""
         if not sharing:
-            return cost.rows_in(MAX_STEP_SECONDS, n_batch)
+            return n_batch if self.lone_step_seconds is None else cost.rows_in(self.lone_step_seconds, n_batch)
         if self.step_tokens > 0:
             return min(n_batch, max(base_rows + 1, self.step_tokens))
         return max(base_rows + 1, cost.rows_within(self.step_ratio, base_rows, n_batch))

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = ServeEngine(args.model, cells=args.ctx_size, seqs=args.parallel, threads=args.threads,
                          exact=args.exact, share_prefixes=args.share_prefixes, budget_bytes=args.budget_bytes,
                          max_requests=args.max_requests, max_per_principal=args.max_requests_per_key,
-                         policy=Policy())
+                         policy=Policy(lone_step_seconds=None))
     app = create_app(engine, name, keys, args.max_body_bytes, args.default_max_tokens)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose > 1 else "warning",
                             access_log=args.verbose > 1, limit_concurrency=args.max_requests + 64,
