@@ -56,6 +56,7 @@ def exact(tmp_path_factory):
         yield server
 
 
+@pytest.mark.fidelity
 def test_sixteen_at_once_prefill_once_and_answer_as_alone(exact):
     """16 questions over one document sent at once: one request decodes the document,
     the 15 others fork its cells (cached_tokens); every answer equals the same request
@@ -78,6 +79,7 @@ def test_sixteen_at_once_prefill_once_and_answer_as_alone(exact):
     assert sum(t.choices[0].message.content == together[0].choices[0].message.content for t in together) < 16
 
 
+@pytest.mark.fidelity
 def test_an_answer_equals_a_plain_exact_run(exact, smol):
     """The server's answer is the one an independent exact decode loop gives (tests/plain.py:
     Context and Batch only) over the chat template's tokens: the same tokens, and each
@@ -242,11 +244,52 @@ def test_a_client_that_leaves_mid_stream_leaves_the_others_alone(exact):
 
 
 def test_sixteen_at_once_share_one_prefill_in_fast_mode(tmp_path):
-    with Serve("--ctx-size", "16384", "--parallel", "40", log=tmp_path / "serve.log") as server:
+    """(And a key over its quota of choices in flight gets 429, before any work.)"""
+    with Serve("--ctx-size", "16384", "--parallel", "40", "--max-requests-per-key", "16",
+               log=tmp_path / "serve.log") as server:
         client, doc = server.client(), document("fast")
         with cf.ThreadPoolExecutor(16) as pool:
             replies = list(pool.map(lambda i: ask(client, chat(doc, f"Question {i}: what is section {i}?")),
                                     range(16)))
+        with pytest.raises(openai.RateLimitError, match="the limit per key is 16"):
+            client.completions.create(model=MODEL, prompt=["a", "b"], n=9, max_tokens=2)
     n_doc = replies[0].usage.prompt_tokens - 40
     assert sorted(cached(r) >= n_doc for r in replies) == [False] + [True] * 15
     assert all(r.choices[0].message.content.strip() for r in replies)
+
+
+@pytest.mark.fidelity
+def test_lmxd_http_serves_beside_the_socket_on_one_engine(tmp_path):
+    """lmxd --http: the OpenAI front and the line protocol on one conductor. An HTTP
+    request that runs while a socket agent of the same model decodes (the two pools take
+    turns, the request paused and restored between them) answers as it does alone (exact
+    mode); the agent that books the front's pool cannot be unregistered from the socket;
+    the daemon stops cleanly."""
+    import urllib.request as request
+
+    from lmxd_daemon import Daemon
+    from serve_process import free_port
+    from swarmkv_ffi.conductor.client import LmxError
+    port = free_port()
+    with Daemon(tmp_path, "--http", f"127.0.0.1:{port}", "--http-ctx-size", "4096", "--http-exact") as d:
+        with request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
+            assert r.status == 200
+        from openai import OpenAI
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=300)
+        messages = chat(document("lmxd"), "What is a Contribution?")
+        alone = ask(client, messages, max_tokens=24, logprobs=True)
+        with d.client() as c:
+            c.register("agent", MODEL, n_ctx=512)
+            with cf.ThreadPoolExecutor(2) as pool:
+                socket_side = pool.submit(c.decode, "agent", 48, "Once upon a time")
+                beside = ask(client, chat(document("lmxd-2"), "What is a Contribution?"), max_tokens=24)
+                again = ask(client, messages, max_tokens=24, logprobs=True)
+                assert int(socket_side.result()["fields"]["generated_tokens"]) > 0
+            assert beside.choices[0].message.content
+            assert again.choices[0].message.content == alone.choices[0].message.content
+            assert logprobs(again) == logprobs(alone)
+            assert "http-pool" in [a["agent_id"] for a in c.list()]
+            with pytest.raises(LmxError, match="books the HTTP server's pool"):
+                c.unregister("http-pool")
+        assert d.stop() == 0
+    assert "Traceback" not in d.logs()

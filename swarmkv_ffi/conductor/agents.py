@@ -33,7 +33,7 @@ from .ledger import Ledger, LedgerDenied
 from .modelfile import LoadableCopy, ModelFile, ModelSource, check_unchanged, fd_path
 from .quotas import UNLIMITED, Quotas
 from .policy import Policy
-from .pool import Pool, Seat, pool_key
+from .pool import Pool, PoolKey, Seat, pool_key
 from .registry import Loaded, ModelRegistry
 from .scheduler import Run, Scheduler, Stopping
 
@@ -87,8 +87,9 @@ class Agent:
     pending: int | None = None            # last generated token, not yet decoded
     prefix: SharedPrefix | None = None    # the document it starts from (REGISTER prefix=)
     decoded: bool = False                 # it has sent a DECODE (pools are sized for it)
-    want: list[int] | None = None         # a server request's prompt tokens (forked from kept cells)
+    want: list[int] | None = None         # an HTTP request's prompt tokens (serve/: forked from kept cells)
     exact: bool = False                   # decodes in an exact pool without a document (serve --exact)
+    holder: bool = False                  # books the HTTP server's pool; never decodes, leaves with it
 
     @property
     def key(self) -> str:
@@ -144,6 +145,10 @@ class Conductor:
         self.scheduler = Scheduler(self, policy)
         self.n_threads = n_threads
         self.prefixes: dict[str, SharedPrefix] = {}
+        # The HTTP server's pools (serve/engine.py sets them): (cells, sequences), and
+        # whether every principal may fork every principal's kept cells.
+        self.served_pool: tuple[int, int] | None = None
+        self.share_prefixes = False
 
     # ---- REGISTER / UNREGISTER ------------------------------------------------------------
     def register(self, agent_id: str, model: str | ModelSource, n_ctx: int = 2048, owner: int | None = None,
@@ -312,7 +317,12 @@ class Conductor:
     def unregister(self, agent_id: str, owner: int | None = None) -> Agent:
         """Waits for the agent's DECODEs in flight, then frees what it holds."""
         owner = self.admin if owner is None else owner
-        agent = self.get(agent_id, owner)
+        agent = self._usable(agent_id, owner)
+        self._leave(agent)
+        return agent
+
+    def _leave(self, agent: Agent) -> None:
+        owner, agent_id = agent.owner, agent.id
 
         def leave() -> None:
             with self._lock:
@@ -325,7 +335,6 @@ class Conductor:
             self.scheduler.shrink(key, self.agents_of(key), agent.owner)
         self.scheduler.call(leave, agent)
         self._free(agent)
-        return agent
 
     def _leave_pools(self, agent: Agent) -> None:
         """What an agent that left the table holds in the pools: its saved KV, its share of
@@ -354,7 +363,7 @@ class Conductor:
             return []
         cutoff = time.monotonic() - self.agent_ttl
         with self._lock:
-            stale = [a for a in self.agents.values() if a.last_used < cutoff]
+            stale = [a for a in self.agents.values() if a.last_used < cutoff and not a.holder]
         expired = []
         for agent in stale:
             try:
@@ -372,6 +381,15 @@ class Conductor:
             raise ConductorError("UNKNOWN_AGENT", f"no agent {agent_id}")
         return agent
 
+    def _usable(self, agent_id: str, owner: int | None) -> Agent:
+        """get(), refusing the agent that books the HTTP server's pool: it leaves with the
+        server, not by a DECODE, RESET or UNREGISTER on the socket."""
+        agent = self.get(agent_id, owner)
+        if agent.holder:
+            raise ConductorError("BAD_REQUEST", f"agent {agent_id} books the HTTP server's pool; "
+                                 "it leaves when the server stops")
+        return agent
+
     def owned_by(self, uid: int | None) -> list[Agent]:
         """uid's agents, or every agent (None)."""
         with self._lock:
@@ -386,7 +404,7 @@ class Conductor:
         owner = self.admin if owner is None else owner
         if not 1 <= max_tokens <= 4096:
             raise ConductorError("BAD_REQUEST", f"max_tokens must be in 1..4096, got {max_tokens}")
-        agent = self.get(agent_id, owner)       # the owner's agent, looked up now
+        agent = self._usable(agent_id, owner)   # the owner's agent, looked up now
         agent.last_used, agent.decoded = time.monotonic(), True
         run = Run(agent, owner, prompt, max_tokens, should_stop or (lambda: False))
         t0 = time.perf_counter_ns()
@@ -422,8 +440,14 @@ class Conductor:
     # ---- what the scheduler asks of the conductor (on its thread) -------------------------
     def begin(self, run: Run) -> None:
         """The DECODE's first step: its prompt as tokens after the agent's conversation
-        (the pending token first), checked against the agent's n_ctx."""
+        (the pending token first), checked against the agent's n_ctx. An HTTP request's
+        tokens come after what its seat forked (kept.py)."""
         agent = run.agent
+        if agent.want is not None:
+            run.cached = len(agent.history)
+            run.prompt_tokens, run.feed = len(agent.want), agent.want[len(agent.history):]
+            run.n_history, run.pending, run.began = len(agent.history), None, True
+            return
         new = agent.loaded.model.tokenize(run.prompt, add_special=not agent.history and agent.pending is None)
         tokens = ([agent.pending] if agent.pending is not None else []) + [int(t) for t in new]
         if not tokens:
@@ -438,20 +462,31 @@ class Conductor:
         agent.pending, run.began = None, True
 
     def finished(self, run: Run) -> None:
-        """A DECODE has ended (the scheduler's thread): lmxd's agents keep their seats."""
+        """A DECODE has ended (the scheduler's thread). lmxd's agents keep their seats; an
+        HTTP request leaves its cells in the pool as cache (kept.py)."""
+        if run.agent.want is None:
+            return
+        pool = self.scheduler.live
+        if pool is not None and pool.is_open and pool.key == run.pool_key:
+            pool.keep(run.agent)
+        self._drop_saved(run.agent)
 
-    def agents_of(self, key: tuple[str, bool], sizing_for: set[int] | None = None) -> list[Agent]:
+    def agents_of(self, key: PoolKey, sizing_for: set[int] | None = None) -> list[Agent]:
         """The registered agents a pool serves: one model, exact (prefix) or not. With
         `sizing_for` (the users a pool (re)opens for), only the agents that have DECODEd
         and every agent of those users: a pool is never sized for another user's agents
         that were only registered, so a REGISTER of a huge n_ctx costs only its owner."""
         with self._lock:
-            return [a for a in self.agents.values() if pool_key(a) == key
+            return [a for a in self.agents.values() if pool_key(a) == key and not a.holder
                     and (sizing_for is None or a.decoded or a.owner in sizing_for)]
 
-    def open_pool(self, key: tuple[str, bool], loaded: Loaded) -> Pool:
+    def open_pool(self, key: PoolKey, loaded: Loaded) -> Pool:
+        """lmxd's pools are sized for their agents; the HTTP server's (key[2]) have the size
+        it booked and keep finished requests' cells."""
+        served = self.served_pool if key[2] else None
         return Pool(key, loaded, new_context=self._new_context, pause=self._pause,
-                    keep_prefix=self._keep_prefix, drop_saved=self._drop_saved)
+                    keep_prefix=self._keep_prefix, drop_saved=self._drop_saved, fixed=served,
+                    share_kept=self.share_prefixes)
 
     def _keep_prefix(self, agent: Agent, snap: Snapshot) -> None:
         """The document's KV, computed once, kept in host RAM for every agent over it
@@ -524,7 +559,7 @@ class Conductor:
         """Clear the agent's conversation (a prefix agent goes back to its document), once
         its DECODEs in flight have ended."""
         owner = self.admin if owner is None else owner
-        agent = self.get(agent_id, owner)
+        agent = self._usable(agent_id, owner)
 
         def clear() -> None:
             if self.agents.get((owner, agent_id)) is not agent:

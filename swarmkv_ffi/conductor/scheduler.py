@@ -37,7 +37,7 @@ from ..batch import Batch
 from ..sampler import Sampler, logprobs
 from .common_prompts import PromptTrie
 from .policy import SLICE_SECONDS, Policy, StepCost
-from .pool import Pool, pool_key
+from .pool import Pool, PoolKey, pool_key
 
 log = logging.getLogger("lmxd")
 
@@ -91,7 +91,7 @@ class Run:
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
-    def pool_key(self) -> tuple[str, bool]:
+    def pool_key(self) -> PoolKey:
         return pool_key(self.agent)
 
 
@@ -108,13 +108,13 @@ class Scheduler:
     def __init__(self, host, policy: Policy | None = None):
         self.host = host
         self.policy = policy or Policy()
-        self._costs: dict[tuple[str, bool], StepCost] = {}   # per pool key: its steps' fitted cost
+        self._costs: dict[PoolKey, StepCost] = {}   # per pool key: its steps' fitted cost
         self._cv = threading.Condition()
         self._waiting: list[Run] = []
         self._batch: list[Run] = []
         self._ops: deque[_Op] = deque()
         self._arrivals = itertools.count()
-        self.pools: dict[tuple[str, bool], Pool] = {}
+        self.pools: dict[PoolKey, Pool] = {}
         self.live: Pool | None = None
         self._turn_began = 0.0
         self._switch_evicted = None
@@ -183,13 +183,17 @@ class Scheduler:
     def forget_model(self, loaded) -> None:
         """The model `loaded` is about to be freed (its last agent left): free its pools'
         contexts first. Pools of the same file loaded afresh since are another model's."""
-        for key in [k for k, pool in self.pools.items() if pool.loaded is loaded]:
+        self.drop([k for k, pool in self.pools.items() if pool.loaded is loaded])
+
+    def drop(self, keys: list[PoolKey]) -> None:
+        """Free these pools' contexts without pausing anyone: nobody is left in them."""
+        for key in keys:
             pool = self.pools.pop(key)
             pool.discard()
             if self.live is pool:
                 self.live = None
 
-    def shrink(self, key: tuple[str, bool], agents: list, owner: int) -> None:
+    def shrink(self, key: PoolKey, agents: list, owner: int) -> None:
         """An agent of `owner` left pool `key` (on this thread; `agents`: those left). If
         the pool holds more than one agent's n_ctx beyond what they booked, it is made
         smaller at `owner`'s cost: closed at once when no DECODE runs in it (its agents

@@ -491,8 +491,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of --step-ratio, a fixed cap on the rows of a step while users "
                         "share the device (0: use --step-ratio; default 0)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per context")
+    http = p.add_argument_group("the HTTP front (OpenAI-compatible, as swarmkv serve; docs/serve.md)")
+    http.add_argument("--http", default=None, metavar="HOST:PORT",
+                      help="also serve the OpenAI API here, on this daemon's engine and ledger")
+    http.add_argument("--http-model", default="smollm2-135m",
+                      help="the model it serves: a packaged short name or a path (default: %(default)s)")
+    http.add_argument("--http-api-key-file", type=Path, default=None,
+                      help="one key per line: each key a principal (required off loopback)")
+    http.add_argument("--http-ctx-size", type=int, default=32768, help="its pool's KV cells (default 32768)")
+    http.add_argument("--http-parallel", type=int, default=64, help="its pool's sequences (default 64)")
+    http.add_argument("--http-exact", action="store_true", help="batch-invariant answers")
+    http.add_argument("--http-share-prefixes", action="store_true",
+                      help="let every key fork every key's cached prefixes")
     p.add_argument("-v", "--verbose", action="store_true", help="also show libllama's log")
     return p
+
+
+def start_http(args, conductor: Conductor):
+    """lmxd --http: the OpenAI-compatible front on this daemon's conductor."""
+    from ..serve.cli import Front, keys_for
+    host, sep, port = args.http.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"--http takes HOST:PORT, got {args.http!r}")
+    keys = keys_for(host, None, args.http_api_key_file)
+    return Front(conductor, args.http_model, host, int(port), keys, cells=args.http_ctx_size,
+                 seqs=args.http_parallel, exact=args.http_exact, share_prefixes=args.http_share_prefixes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -527,10 +550,15 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(Path(args.socket), conductor, memory, set(args.allow_uid), args.line_cap,
                         args.max_clients, args.idle_timeout, Access(conductor.admin, args.models_dir),
                         args.shutdown_grace)
+        front = start_http(args, conductor) if args.http else None
         signal.signal(signal.SIGTERM, server.stop)
         signal.signal(signal.SIGINT, server.stop)
-        server.serve_forever()
-    except (DaemonError, ValueError, OSError) as exc:
+        try:
+            server.serve_forever()
+        finally:
+            if front is not None:
+                front.stop()
+    except (DaemonError, ValueError, OSError, SwarmKVError) as exc:
         print(f"lmxd: error: {exc}", file=sys.stderr)
         return 2
     conductor.close()

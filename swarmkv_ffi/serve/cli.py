@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
-import os
-import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 from .. import catalog
@@ -72,18 +72,59 @@ def check_args(args) -> Keys:
         raise ValueError("--default-max-tokens, --max-requests and --max-requests-per-key must be >= 1")
     if args.max_body_bytes < 1024:
         raise ValueError("--max-body-bytes must be at least 1024")
-    if args.api_key is not None:
-        if len(args.api_key) < 8:
-            raise ValueError("--api-key must be at least 8 characters")
-        keys = Keys({args.api_key: "key1"})
-    elif args.api_key_file is not None:
-        keys = Keys.from_file(args.api_key_file)
+    return keys_for(args.host, args.api_key, args.api_key_file, args.allow_remote_without_key)
+
+
+def keys_for(host: str, key: str | None, key_file: Path | None, allow_remote: bool = False) -> Keys:
+    """The keys to require; none only on a loopback address (unless allowed)."""
+    if key is not None:
+        if len(key) < 8:
+            raise ValueError("an API key must be at least 8 characters")
+        keys = Keys({key: "key1"})
+    elif key_file is not None:
+        keys = Keys.from_file(key_file)
     else:
         keys = Keys()
-    if not keys.required and not is_loopback(args.host) and not args.allow_remote_without_key:
-        raise ValueError(f"--host {args.host} is reachable from other machines and no API key is set; "
-                         "pass --api-key/--api-key-file (or --allow-remote-without-key)")
+    if not keys.required and not is_loopback(host) and not allow_remote:
+        raise ValueError(f"{host} is reachable from other machines and no API key is set; "
+                         "pass an API key file (or allow it explicitly)")
     return keys
+
+
+def uvicorn_config(app, host: str, port: int, max_requests: int, verbose: int):
+    import uvicorn
+    return uvicorn.Config(app, host=host, port=port, log_level="info" if verbose > 1 else "warning",
+                          access_log=verbose > 1, limit_concurrency=max_requests + 64,
+                          timeout_keep_alive=5, timeout_graceful_shutdown=5)
+
+
+class Front:
+    """The HTTP front on lmxd's conductor (lmxd --http): uvicorn on a thread of its own
+    beside the Unix socket's; stop() ends it once the daemon has drained."""
+
+    def __init__(self, conductor, model: str, host: str, port: int, keys: Keys, *, cells: int, seqs: int,
+                 exact: bool, share_prefixes: bool, name: str | None = None):
+        import uvicorn
+
+        from .app import create_app
+        from .engine import ServeEngine
+        self.engine = ServeEngine(model, cells=cells, seqs=seqs, exact=exact, share_prefixes=share_prefixes,
+                                  conductor=conductor)
+        app = create_app(self.engine, name or model, keys)
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, self.engine.max_requests, 0))
+        self.thread = threading.Thread(target=self.server.run, name="lmxd-http", daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                self.engine.close()
+                raise OSError(f"the HTTP front could not listen on {host}:{port} (see the log above)")
+            time.sleep(0.05)
+        log.info("HTTP front: %s on http://%s:%d/v1", name or model, host, port)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.engine.close()
 
 
 def is_loopback(host: str) -> bool:
@@ -110,10 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                          max_requests=args.max_requests, max_per_principal=args.max_requests_per_key,
                          policy=Policy(lone_step_seconds=None))
     app = create_app(engine, name, keys, args.max_body_bytes, args.default_max_tokens)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose > 1 else "warning",
-                            access_log=args.verbose > 1, limit_concurrency=args.max_requests + 64,
-                            timeout_keep_alive=5, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, args.host, args.port, args.max_requests, args.verbose))
     mode = "exact" if args.exact else "fast"
     print(f"swarmkv serve: {name} ({engine.base.path.name}, {mode} mode, {args.ctx_size} cells, "
           f"{args.parallel} sequences) on http://{args.host}:{args.port}/v1"

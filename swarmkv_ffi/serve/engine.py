@@ -1,8 +1,9 @@
 """Requests as short-lived agents on lmxd's engine.
 
-The server owns one lmxd Conductor (ledger, scheduler, fair policy) over one model. At
-start it registers a base agent whose n_ctx is the whole pool (`--ctx-size` cells): that
-loads the model and books its weights and every cell in the ledger, once. Each request
+The server runs on an lmxd Conductor (ledger, scheduler, fair policy): its own for
+`swarmkv serve`, lmxd's for `lmxd --http`. At start it registers a holder agent whose
+n_ctx is the whole pool (`--ctx-size` cells): that loads the model and books its weights
+and every cell in the ledger, once. Each request
 choice then becomes an Agent of the base's model, of the request's principal, whose
 `want` is its prompt's tokens; the scheduler seats it in the pool, where it forks the
 longest prefix the pool already holds (kept.py) and decodes the rest with the others in
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -20,10 +22,10 @@ from ..conductor.agents import Agent, Conductor, ConductorError
 from ..conductor.ledger import Ledger
 from ..conductor.memory import DeviceMemory
 from ..conductor.policy import Policy
-from ..conductor.pool import MAX_SEQS, Pool
+from ..conductor.pool import MAX_SEQS
 from ..conductor.scheduler import Run, Stopping
 
-BASE_ID = "serve"
+BASE_ID = "http-pool"
 
 
 class Refused(Exception):
@@ -47,53 +49,31 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)   # the client left
 
 
-class ServeConductor(Conductor):
-    """lmxd's conductor with the server's pools: fixed in size, and keeping a finished
-    request's cells as cache instead of freeing them."""
-
-    def __init__(self, *args, cells: int, seqs: int, share_prefixes: bool, **kw):
-        super().__init__(*args, **kw)
-        self.pool_size, self.share_prefixes = (cells, seqs), share_prefixes
-
-    def open_pool(self, key, loaded) -> Pool:
-        return Pool(key, loaded, new_context=self._new_context, pause=self._pause,
-                    keep_prefix=self._keep_prefix, drop_saved=self._drop_saved,
-                    fixed=self.pool_size, share_kept=self.share_prefixes)
-
-    def begin(self, run: Run) -> None:
-        """The request's tokens after what its seat forked."""
-        agent = run.agent
-        run.cached = len(agent.history)
-        run.prompt_tokens, run.feed = len(agent.want), agent.want[len(agent.history):]
-        run.n_history, run.pending, run.began = len(agent.history), None, True
-
-    def finished(self, run: Run) -> None:
-        pool = self.scheduler.live
-        if pool is not None and pool.is_open and pool.key == run.pool_key:
-            pool.keep(run.agent)
-        self._drop_saved(run.agent)
-
-
 class ServeEngine:
     """One model served to principals (API keys). `cells`: the pool's KV cells, all
-    requests and the cache together; `seqs`: sequences (requests running plus kept)."""
+    requests and the cache together; `seqs`: sequences (requests running plus kept).
+    conductor: lmxd's (lmxd --http), else one of its own with its own ledger."""
 
     def __init__(self, model: str, *, cells: int = 32768, seqs: int = 64, threads: int | None = None,
                  exact: bool = False, share_prefixes: bool = False, budget_bytes: int | None = None,
-                 max_requests: int = 256, max_per_principal: int = 64, policy: Policy | None = None):
+                 max_requests: int = 256, max_per_principal: int = 64, policy: Policy | None = None,
+                 conductor: Conductor | None = None):
         if not 2 <= seqs <= MAX_SEQS - 1:
             raise ValueError(f"--parallel must be in 2..{MAX_SEQS - 1}, got {seqs}")
-        self.memory = DeviceMemory(budget_bytes=budget_bytes)
-        self.conductor = ServeConductor(Ledger(self.memory.budget), n_threads=threads, cells=cells, seqs=seqs,
-                                        share_prefixes=share_prefixes, policy=policy)
+        self.memory = None if conductor is not None else DeviceMemory(budget_bytes=budget_bytes)
+        self.conductor = conductor or Conductor(Ledger(self.memory.budget), n_threads=threads, policy=policy)
+        self.conductor.served_pool, self.conductor.share_prefixes = (cells, seqs), share_prefixes
         try:
             self.base = self.conductor.register(BASE_ID, model, n_ctx=cells)
         except BaseException:
-            self.memory.close()
+            if self.memory is not None:
+                self.memory.close()
             raise
-        # The base agent never decodes: its REGISTER must not make the first requests
-        # look as if another user shared the device (their steps would be kept short).
-        self.conductor.scheduler.policy.forget(self.base.owner)
+        self.base.holder = True
+        if self.memory is not None:
+            # The holder never decodes: its REGISTER must not make the first requests look
+            # as if another user shared the device (their steps would be kept short).
+            self.conductor.scheduler.policy.forget(self.base.owner)
         self.model = self.base.loaded.model
         self.cells, self.exact = cells, exact
         self.max_requests, self.max_per_principal = max_requests, max_per_principal
@@ -150,10 +130,22 @@ class ServeEngine:
         return run
 
     def close(self, grace_s: float = 5.0) -> None:
-        """Stop: new requests get 503, queued ones are refused, running ones cancelled
-        after grace_s; then free the model."""
+        """Stop: new requests get 503; with a conductor of its own, queued ones are refused
+        and running ones cancelled after grace_s, then everything is freed. On lmxd's, the
+        running requests end first (they are refused once the daemon stops) and the pool's
+        booking is released."""
         with self._lock:
             self.stopping = True
+        if self.memory is None:
+            while True:
+                with self._lock:
+                    if not self._running:
+                        break
+                time.sleep(0.05)
+            sched = self.conductor.scheduler
+            sched.call(lambda: sched.drop([k for k in sched.pools if k[2]]))    # the served pools
+            self.conductor._leave(self.base)
+            return
         self.conductor.shutdown(grace_s)
         self.conductor.close()
         self.memory.close()

@@ -2,7 +2,8 @@
 
 Each key is one principal: lmxd's fair share, in-flight quota and cache isolation are
 per principal, as they are per uid on lmxd's socket. Principals are numbered from
-PRINCIPAL_BASE so that they never collide with a real uid. Without keys every request
+PRINCIPAL_BASE, above every 32-bit uid, so that under lmxd --http they never collide
+with a user of the socket. Without keys every request
 is the one principal OPEN (the server then listens on loopback only, unless told).
 A key file holds one key per line, optionally followed by a name used in logs;
 blank lines and lines starting with # are skipped.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import hmac
 from pathlib import Path
 
-PRINCIPAL_BASE = 1 << 20
+PRINCIPAL_BASE = 1 << 40
 OPEN = PRINCIPAL_BASE
 
 
