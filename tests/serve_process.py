@@ -2,21 +2,13 @@
 official `openai` client pointed at it."""
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
+from swarmkv_ffi.bench.peer import free_port, start_healthy
+
 MODEL = "smollm2-135m"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Serve:
@@ -25,23 +17,11 @@ class Serve:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         self._log = open(log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "swarmkv_ffi.cli", "serve", "--port", str(self.port),
-                                      "--threads", "2", *flags], stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.time() + 120
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"swarmkv serve exited with {self.proc.returncode}:\n{log.read_text()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.time() > deadline:
-                self.close()
-                raise RuntimeError(f"swarmkv serve did not answer /health within 120 s:\n{log.read_text()}")
-            time.sleep(0.2)
+        cmd = [sys.executable, "-m", "swarmkv_ffi.cli", "serve", "--port", str(self.port), "--threads", "2", *flags]
+        try:
+            self.proc = start_healthy(cmd, self.url, self._log, "swarmkv serve")
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}:\n{log.read_text()}") from None
 
     def client(self, key: str = "none"):
         from openai import OpenAI
