@@ -71,7 +71,7 @@ def test_every_benchmark_runs_under_swarmkv_bench(name, capsys):
     assert f"swarmkv bench {name}" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["peer", "agents"])
+@pytest.mark.parametrize("name", ["peer", "agents", "serve"])
 def test_a_bench_without_llama_server_says_how_to_build_it(tmp_path, name):
     proc = subprocess.run([sys.executable, "-m", "swarmkv_ffi.cli", "bench", name, "--server",
                            str(tmp_path / "llama-server"), "--out", str(tmp_path)],
@@ -79,6 +79,19 @@ def test_a_bench_without_llama_server_says_how_to_build_it(tmp_path, name):
     assert proc.returncode == 2
     assert f"swarmkv bench {name}: {tmp_path / 'llama-server'} not found" in proc.stderr
     assert "./build_llama.sh --tools" in proc.stderr
+
+
+@pytest.mark.slow
+def test_serve_bench_smoke(tmp_path):
+    """The scenarios that need no llama-server, tiny: the JSON holds their figures."""
+    proc = subprocess.run([sys.executable, "-m", "swarmkv_ffi.cli", "bench", "serve", "--scenarios", "exact,overhead",
+                           "--n", "2", "--gen", "4", "--doc-tokens", "64", "--overhead-requests", "2",
+                           "--threads", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["scenario"]: r for r in json.loads((tmp_path / "serve.json").read_text())["rows"]}
+    assert rows["exact"]["same_as_alone"] == 2 == rows["exact"]["answers"]
+    assert rows["overhead"]["http_s"] > 0 and rows["overhead"]["generate_s"] > 0
+    assert "16/16" not in proc.stderr and "2/2 answers" in proc.stderr
 
 
 def test_kernels_bench_checks_its_arguments_and_names_the_missing_tools(tmp_path):

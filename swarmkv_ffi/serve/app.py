@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from ..errors import SwarmKVError
 from .engine import Job, Refused, ServeEngine
 from .keys import Keys
 from .schemas import ChatRequest, CompletionRequest, Sampling
@@ -151,6 +152,10 @@ def create_app(engine: ServeEngine, model_name: str, keys: Keys, max_body_bytes:
     async def http_error(_request, exc: HTTPException):
         return error_response(exc.status_code, str(exc.detail))
 
+    @app.exception_handler(SwarmKVError)
+    async def library_error(_request, exc: SwarmKVError):      # e.g. a model with no chat template
+        return error_response(500, str(exc), "server_error")
+
     @app.exception_handler(RequestValidationError)
     async def invalid(_request, exc: RequestValidationError):
         return error_response(400, *validation_message(exc))
@@ -257,8 +262,7 @@ def create_app(engine: ServeEngine, model_name: str, keys: Keys, max_body_bytes:
         who = principal_of(request)
         body = await read_body(request, ChatRequest)
         check_model(body.model)
-        text = engine.model.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
-        tokens = [int(t) for t in engine.model.tokenize(text, add_special=True, parse_special=True)]
+        tokens = await asyncio.to_thread(chat_tokens, engine.model, body)
         call = Call(engine, who, body, [tokens], budget(body, [tokens], body.limit(), "messages"),
                     asyncio.get_running_loop())
         return await answer(request, call, ChatShape(model_name))
@@ -271,7 +275,8 @@ def create_app(engine: ServeEngine, model_name: str, keys: Keys, max_body_bytes:
         if body.echo or body.suffix:
             raise Refused(400, "echo and suffix are not supported", "unsupported_parameter",
                           "echo" if body.echo else "suffix")
-        prompts = [[int(t) for t in engine.model.tokenize(p, add_special=True)] for p in body.prompts()]
+        prompts = await asyncio.to_thread(
+            lambda: [[int(t) for t in engine.model.tokenize(p, add_special=True)] for p in body.prompts()])
         if not all(prompts):
             raise Refused(400, "the prompt is empty", "empty_prompt", "prompt")
         call = Call(engine, who, body, prompts, budget(body, prompts, body.limit(), "prompt"),
@@ -279,6 +284,13 @@ def create_app(engine: ServeEngine, model_name: str, keys: Keys, max_body_bytes:
         return await answer(request, call, CompletionShape(model_name))
 
     return app
+
+
+def chat_tokens(model, body: ChatRequest) -> list[int]:
+    """The messages through the model's chat template, as tokens (off the event loop: a
+    body of megabytes takes a while)."""
+    text = model.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+    return [int(t) for t in model.tokenize(text, add_special=True, parse_special=True)]
 
 
 def sse(data: dict) -> str:
