@@ -258,6 +258,31 @@ def test_sixteen_at_once_share_one_prefill_in_fast_mode(tmp_path):
     assert all(r.choices[0].message.content.strip() for r in replies)
 
 
+def test_a_restarted_server_restores_a_shared_document_from_the_cache(tmp_path):
+    """--cache-dir: the document two requests shared is written once; a new server over the
+    same folder restores it for that key (same tokens and logprobs as computed, exact
+    mode) and not for another key."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY_A}\n{KEY_B}\n")
+    cache = tmp_path / "cache"
+    flags = ("--exact", "--ctx-size", "8192", "--parallel", "16", "--cache-dir", str(cache),
+             "--api-key-file", str(keys))
+    doc = document("persist")
+    with Serve(*flags, log=tmp_path / "first.log") as server:
+        client = server.client(KEY_A)
+        ask(client, chat(doc, "Who may use the work?"))
+        first = ask(client, chat(doc, "Is there a warranty?"), logprobs=True)     # forks the document
+    assert cached(first) > 400
+    assert len(list(cache.glob("*.snap"))) == 1
+    with Serve(*flags, log=tmp_path / "second.log") as server:
+        again = ask(server.client(KEY_A), chat(doc, "Is there a warranty?"), logprobs=True)
+        other = ask(server.client(KEY_B), chat(doc, "Is there a warranty?"))
+    assert cached(again) == cached(first)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert logprobs(again) == logprobs(first)
+    assert cached(other) == 0
+
+
 @pytest.mark.fidelity
 def test_lmxd_http_serves_beside_the_socket_on_one_engine(tmp_path):
     """lmxd --http: the OpenAI front and the line protocol on one conductor. An HTTP

@@ -149,6 +149,7 @@ class Conductor:
         # whether every principal may fork every principal's kept cells.
         self.served_pool: tuple[int, int] | None = None
         self.share_prefixes = False
+        self.served_store = None               # shared prefixes on disk (serve/persist.py)
 
     # ---- REGISTER / UNREGISTER ------------------------------------------------------------
     def register(self, agent_id: str, model: str | ModelSource, n_ctx: int = 2048, owner: int | None = None,
@@ -486,7 +487,7 @@ class Conductor:
         served = self.served_pool if key[2] else None
         return Pool(key, loaded, new_context=self._new_context, pause=self._pause,
                     keep_prefix=self._keep_prefix, drop_saved=self._drop_saved, fixed=served,
-                    share_kept=self.share_prefixes)
+                    share_kept=self.share_prefixes, store=self.served_store if key[2] else None)
 
     def _keep_prefix(self, agent: Agent, snap: Snapshot) -> None:
         """The document's KV, computed once, kept in host RAM for every agent over it

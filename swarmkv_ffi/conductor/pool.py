@@ -92,9 +92,10 @@ class Pool:
 
     def __init__(self, key: PoolKey, loaded, *, new_context: Callable, pause: Callable,
                  keep_prefix: Callable, drop_saved: Callable, fixed: tuple[int, int] | None = None,
-                 share_kept: bool = False):
+                 share_kept: bool = False, store=None):
         self.key, self.loaded, self.exact = key, loaded, key[1]
         self.fixed, self.share_kept = fixed, share_kept   # (cells, sequences); kept cells across owners
+        self.store = store                        # shared prefixes on disk (serve/persist.py), or None
         self._new_context, self._pause, self._keep_prefix = new_context, pause, keep_prefix
         self._drop_saved = drop_saved
         self.ctx: Context | None = None
@@ -202,8 +203,7 @@ class Pool:
                 self._drop_saved(agent)
                 entry.restored = True
             elif agent.want is not None and not agent.history:
-                kv_len, cells = self._fork_kept(agent, seq), agent.n_ctx   # (books its whole n_ctx: see above)
-                entry.forked = kv_len > 0
+                kv_len, cells = self._fork_kept(agent, seq, entry), agent.n_ctx   # (books its whole n_ctx: see above)
             elif agent.prefix is not None and self._tokens_follow_document(agent):
                 entry.restored = self._fork_document(agent, seq)
                 entry.forked = True
@@ -285,13 +285,25 @@ class Pool:
                 best = max(best, n)
         return best
 
-    def _fork_kept(self, agent, seq: int) -> int:
+    def _fork_kept(self, agent, seq: int, entry: Entry) -> int:
+        """Fork the longest prefix of agent.want the pool holds into `seq`; or, when that
+        is short, restore a longer one from disk (serve/persist.py). A long prefix forked
+        from another request is one requests share: it goes to disk."""
         n, src = self.match(agent)
+        if self.store is not None and n < self.store.min_tokens:
+            got = self.store.recall(agent, self.ctx, seq, more_than=n)
+            if got:
+                agent.history = list(agent.want[:got])
+                entry.restored = True
+                return got
         if n:
             self.ctx.seq_cp(src, seq, 0, n)
             agent.history = list(agent.want[:n])
+            entry.forked = True
             if src in self.kept:
                 self.kept[src].last_used = time.monotonic()
+            if self.store is not None:
+                self.store.remember(agent, self.ctx, seq, n)
         return n
 
     def keep(self, agent) -> None:

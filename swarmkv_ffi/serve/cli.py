@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--api-key-file", type=Path, default=None,
                       help="one key per line (optionally followed by a name): each key is a principal "
                            "with its own fair share, quota and cache")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="keep prefixes that requests share (256 tokens or more) in this prefix-cache "
+                        "folder, so a restarted server restores them instead of prefilling "
+                        "(default: off; each key's prefixes apart)")
     p.add_argument("--share-prefixes", action="store_true",
                    help="let every key reuse every key's cached prefixes (off: a cached prefix's speed "
                         "would tell one key what another asked)")
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = ServeEngine(args.model, cells=args.ctx_size, seqs=args.parallel, threads=args.threads,
                          exact=args.exact, share_prefixes=args.share_prefixes, budget_bytes=args.budget_bytes,
                          max_requests=args.max_requests, max_per_principal=args.max_requests_per_key,
-                         policy=Policy(lone_step_seconds=None))
+                         policy=Policy(lone_step_seconds=None), cache_dir=args.cache_dir)
     app = create_app(engine, name, keys, args.max_body_bytes, args.default_max_tokens)
     server = uvicorn.Server(uvicorn_config(app, args.host, args.port, args.max_requests, args.verbose))
     mode = "exact" if args.exact else "fast"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -24,6 +25,8 @@ from ..conductor.memory import DeviceMemory
 from ..conductor.policy import Policy
 from ..conductor.pool import MAX_SEQS
 from ..conductor.scheduler import Run, Stopping
+from ..prefix_cache import PrefixCache
+from .persist import PrefixStore
 
 BASE_ID = "http-pool"
 
@@ -57,12 +60,14 @@ class ServeEngine:
     def __init__(self, model: str, *, cells: int = 32768, seqs: int = 64, threads: int | None = None,
                  exact: bool = False, share_prefixes: bool = False, budget_bytes: int | None = None,
                  max_requests: int = 256, max_per_principal: int = 64, policy: Policy | None = None,
-                 conductor: Conductor | None = None):
+                 conductor: Conductor | None = None, cache_dir: Path | None = None):
         if not 2 <= seqs <= MAX_SEQS - 1:
             raise ValueError(f"--parallel must be in 2..{MAX_SEQS - 1}, got {seqs}")
         self.memory = None if conductor is not None else DeviceMemory(budget_bytes=budget_bytes)
         self.conductor = conductor or Conductor(Ledger(self.memory.budget), n_threads=threads, policy=policy)
         self.conductor.served_pool, self.conductor.share_prefixes = (cells, seqs), share_prefixes
+        self.store = PrefixStore(PrefixCache(cache_dir)) if cache_dir is not None else None
+        self.conductor.served_store = self.store
         try:
             self.base = self.conductor.register(BASE_ID, model, n_ctx=cells)
         except BaseException:
@@ -136,6 +141,8 @@ class ServeEngine:
         booking is released."""
         with self._lock:
             self.stopping = True
+        if self.store is not None:
+            self.store.flush()              # prefixes captured are written before we go
         if self.memory is None:
             while True:
                 with self._lock:
