@@ -3,20 +3,19 @@
 The server runs on an lmxd Conductor (ledger, scheduler, fair policy): its own for
 `swarmkv serve`, lmxd's for `lmxd --http`. At start it registers a holder agent whose
 n_ctx is the whole pool (`--ctx-size` cells): that loads the model and books its weights
-and every cell in the ledger, once. Each request
-choice then becomes an Agent of the base's model, of the request's principal, whose
-`want` is its prompt's tokens; the scheduler seats it in the pool, where it forks the
-longest prefix the pool already holds (kept.py) and decodes the rest with the others in
-one batch, and when it ends its cells stay as cache. The HTTP front (app.py) only turns
-bodies into Jobs and events into responses.
+and every cell in the ledger, once. Each request choice then becomes an Agent of that
+model, of the request's principal, whose `want` is its prompt's tokens; the scheduler
+seats it in the pool, where it forks the longest prefix the pool already holds (kept.py)
+and decodes the rest with the others in one batch, and when it ends its cells stay as
+cache. The HTTP front (app.py) only turns bodies into Jobs and events into responses.
 """
 from __future__ import annotations
 
 import itertools
 import threading
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from ..conductor.agents import Agent, Conductor, ConductorError
