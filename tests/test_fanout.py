@@ -59,6 +59,7 @@ def test_plain_prompt_layout_without_chat(smol):
 def test_copy_mode_is_bit_identical_to_a_plain_run(any_model, baselines):
     base = baselines[any_model.path.name]
     out = run_fanout(any_model, DOC, specs(ASKED), mode="copy", trace_logits=True, **FANOUT)
+    assert [b.index for b in out.branches] == [b.index for b in base.branches] == list(range(len(ASKED)))
     for got, want in zip(out.branches, base.branches):
         assert np.array_equal(got.first_logits, want.first_logits), f"branch {got.index} logits"
         assert got.token_ids == want.token_ids
@@ -71,6 +72,7 @@ def test_copy_mode_is_bit_identical_to_a_plain_run(any_model, baselines):
 def test_shared_mode_fast_default_agrees_on_first_tokens(any_model, baselines, record_property):
     base = baselines[any_model.path.name]
     out = run_fanout(any_model, DOC, specs(ASKED), mode="shared", trace_logits=True, **FANOUT)
+    assert [b.index for b in out.branches] == [b.index for b in base.branches] == list(range(len(ASKED)))
     diffs = [float(np.max(np.abs(g.first_logits - w.first_logits)))
              for g, w in zip(out.branches, base.branches)]
     same = sum(g.token_ids == w.token_ids for g, w in zip(out.branches, base.branches))
@@ -108,6 +110,7 @@ def test_exact_shared_mode_equals_an_unchunked_greedy_loop(any_model):
     prefill and batched branches give the logits of the prompt decoded all at once."""
     lay = layout(any_model, DOC, QUESTIONS[:3], chat=True)
     out = run_fanout(any_model, DOC, specs(QUESTIONS[:3]), mode="shared", trace_logits=True, exact=True, **FANOUT)
+    assert [b.index for b in out.branches] == [0, 1, 2]
     for i, b in enumerate(out.branches):
         tokens, digests = unchunked_greedy(any_model, lay.full(i), 16, exact_mode=True)
         assert b.token_ids == tokens, f"branch {i}"
@@ -116,6 +119,7 @@ def test_exact_shared_mode_equals_an_unchunked_greedy_loop(any_model):
 
 def test_branches_generate_real_answers(smol):
     out = run_fanout(smol, DOC, specs(QUESTIONS[:2], max_tokens=24), **FANOUT)
+    assert [b.index for b in out.branches] == [0, 1]
     for b in out.branches:
         assert b.text.strip() and b.token_ids
         assert b.activation_ms > 0 and b.ready_ms > 0
