@@ -19,6 +19,11 @@ a pool is left after SLICE_SECONDS for one, so no DECODE holds the device foreve
 run that gave its place up rejoins where it was. Whoever makes a pool switch, reopen
 or rebuild pays for it, never the users it pauses.
 
+The HTTP server's requests (serve/) are runs too, of short-lived agents in pools of
+their own: they carry their sampler settings and a per-token callback (stop strings,
+streaming, logprobs), and one whose opening a running request of its owner is decoding
+waits for it and forks its cells (kept.py) instead of decoding the same tokens beside it.
+
 Nothing else touches the pools' contexts: RESET, UNREGISTER and close hand the thread
 closures (`call`) that run between two steps, once the agent they name has no DECODE in
 flight. A cancelled or failed DECODE is rolled back alone: the other runs go on.
