@@ -83,16 +83,39 @@ def start_healthy(cmd: list[str], url: str, log, what: str) -> subprocess.Popen:
         time.sleep(0.2)
 
 
-class Server:
+class HttpServer:
+    """An HTTP server process on a free loopback port, healthy once built; close() (or
+    the end of a `with`) stops it. command(port) gives its command line; its output goes
+    to `log` (an open file), else nowhere."""
+
+    def __init__(self, command, what: str, log=None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log or open(os.devnull, "w")
+        self.proc = start_healthy(command(self.port), self.url, self.log, what)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Server(HttpServer):
     """llama-server on a free local port, with its defaults plus model, threads, port."""
 
     def __init__(self, binary: Path, model_path: Path, threads: int, extra: list[str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [str(binary), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(self.port),
-               "-t", str(threads), "--no-webui", *extra]
-        self.log = open(os.devnull, "w")
-        self.proc = start_healthy(cmd, self.url, self.log, "llama-server")
+        super().__init__(lambda port: [str(binary), "-m", str(model_path), "--host", "127.0.0.1", "--port",
+                                       str(port), "-t", str(threads), "--no-webui", *extra], "llama-server")
 
     def complete(self, prompt: str, n_predict: int) -> dict:
         body = json.dumps({"prompt": prompt, "n_predict": n_predict, "temperature": 0.0,
@@ -113,14 +136,6 @@ class Server:
         t0 = time.perf_counter()
         replies = [c() for c in calls]
         return (time.perf_counter() - t0) * 1e3, replies
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 def server_runs(args, prompts: list[str], gen: int) -> dict:

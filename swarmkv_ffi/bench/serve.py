@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .. import catalog
 from .measure import at_once, document_of, report_json, settings_of
-from .peer import Server, free_port, server_binary, start_healthy
+from .peer import HttpServer, Server, log, server_binary
 
 QUESTIONS = ["What is this document about?", "Who may use the work?", "What must be kept in copies?",
              "What is excluded?", "Can I sell copies?", "What happens if I sue?", "What is a Contribution?",
@@ -39,25 +39,12 @@ QUESTIONS = ["What is this document about?", "Who may use the work?", "What must
 FOLLOW_UPS = ["Say more about that.", "Give an example.", "Summarise your answer in one sentence."]
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-class Ours:
-    """`swarmkv serve` on a free loopback port."""
-
-    def __init__(self, args, cells: int, exact: bool = False):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "swarmkv_ffi.cli", "serve", "--model", args.model, "--port", str(self.port),
-               "--threads", str(args.threads), "--ctx-size", str(cells), "--parallel", "128"]
-        self.log = open(os.devnull, "w")
-        self.proc = start_healthy(cmd + (["--exact"] if exact else []), self.url, self.log, "swarmkv serve")
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
-        self.log.close()
+def ours(args, cells: int, exact: bool = False) -> HttpServer:
+    """`swarmkv serve` on a free loopback port (at least the 512 cells it takes)."""
+    return HttpServer(lambda port: [sys.executable, "-m", "swarmkv_ffi.cli", "serve", "--model", args.model,
+                                    "--port", str(port), "--threads", str(args.threads),
+                                    "--ctx-size", str(max(512, cells)),
+                                    "--parallel", "128"] + (["--exact"] if exact else []), "swarmkv serve")
 
 
 def theirs(args, slots: int, cells_per_slot: int) -> Server:
@@ -134,11 +121,9 @@ def scenario(args, name: str, fn, slots: int, cells_per_slot: int, doc: str) -> 
     runs = {"ours": [], "server": []}
     for r in range(args.repeat):
         for side in (("ours", "server") if r % 2 == 0 else ("server", "ours")):
-            server = Ours(args, slots * cells_per_slot) if side == "ours" else theirs(args, slots, cells_per_slot)
-            try:
+            server = ours(args, slots * cells_per_slot) if side == "ours" else theirs(args, slots, cells_per_slot)
+            with server:
                 runs[side].append(fn(client_of(server, args.model), args, doc))
-            finally:
-                server.close()
     median = {side: {**sorted(got, key=lambda x: x["total_s"])[len(got) // 2],
                      "runs_s": [x["total_s"] for x in got]} for side, got in runs.items()}
     return compared(name, median["ours"], median["server"])
@@ -147,17 +132,11 @@ def scenario(args, name: str, fn, slots: int, cells_per_slot: int, doc: str) -> 
 def exact_row(args, doc: str) -> dict:
     """Ours with --exact: the N requests at once, then each alone on a fresh server."""
     cells = args.n * (args.doc_tokens + 256)
-    together = Ours(args, cells, exact=True)
-    try:
+    with ours(args, cells, exact=True) as together:
         at = run_at_once(client_of(together, args.model), args, doc)
-    finally:
-        together.close()
-    alone_server = Ours(args, cells, exact=True)
-    try:
+    with ours(args, cells, exact=True) as alone_server:
         client = client_of(alone_server, args.model)
         alone = [ask(client, args.model, m, args.gen).choices[0].message.content for m in agents_of(doc, args.n)]
-    finally:
-        alone_server.close()
     same = sum(a == b for a, b in zip(at["texts"], alone))
     log(f"     exact: {same}/{args.n} answers among {args.n - 1} others equal the same request alone "
         f"(at once {at['total_s']:.2f} s)")
@@ -174,8 +153,7 @@ def overhead_row(args) -> dict:
     from ..model import Model
     prompts = [[{"role": "user", "content": f"Request {i}: say hello to {QUESTIONS[i % len(QUESTIONS)]}"}]
                for i in range(args.overhead_requests)]
-    server = Ours(args, 4096)
-    try:
+    with ours(args, 4096) as server:
         client = client_of(server, args.model)
         with Model(args.model_path) as model, Context(model, n_ctx=512, n_threads=args.threads) as ctx:
             generate(ctx, model.tokenize("Hi"), max_tokens=1)          # its warm-up
@@ -189,8 +167,6 @@ def overhead_row(args) -> dict:
                 t0 = time.perf_counter()
                 generate(ctx, tokens, max_tokens=1)
                 local.append(time.perf_counter() - t0)
-    finally:
-        server.close()
     row = {"scenario": "overhead", "http_s": statistics.median(http), "generate_s": statistics.median(local),
            "http_runs_s": http, "generate_runs_s": local}
     row["http_over_generate"] = row["http_s"] / row["generate_s"]

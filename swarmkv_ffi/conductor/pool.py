@@ -251,15 +251,20 @@ class Pool:
         return restored
 
     # ---- kept cells: the server's radix cache (kept.py) ---------------------------------
+    def _shared_with(self, owner: int, agent) -> bool:
+        """Whether `agent` may fork cells of `owner`'s: its own, or anyone's if the
+        operator shares them."""
+        return self.share_kept or owner == agent.owner
+
     def _matches(self, agent):
         """(tokens, seq) of every sequence `agent` may fork from: kept ones and seated
-        agents' KV, its owner's only unless the operator shares them."""
+        agents' KV."""
         for seq, kept in self.kept.items():
-            if self.share_kept or kept.owner == agent.owner:
+            if self._shared_with(kept.owner, agent):
                 yield kept.tokens, seq
         for seat in self.seats.values():
             other = seat.agent
-            if other is not agent and (self.share_kept or other.owner == agent.owner):
+            if other is not agent and self._shared_with(other.owner, agent):
                 yield other.history[:seat.kv_len], seat.seq
 
     def match(self, agent) -> tuple[int, int | None]:
@@ -278,7 +283,7 @@ class Pool:
         best = 0
         for seat in self.seats.values():
             other = seat.agent
-            if other is agent or other.want is None or not (self.share_kept or other.owner == agent.owner):
+            if other is agent or other.want is None or not self._shared_with(other.owner, agent):
                 continue
             n = min(longest_common_prefix(other.want, agent.want), len(agent.want) - 1)
             if n > seat.kv_len:
@@ -308,17 +313,19 @@ class Pool:
 
     def keep(self, agent) -> None:
         """A finished request leaves its seat: its cells stay as a kept sequence (the
-        unused rest of its n_ctx goes back to the pool)."""
-        seat = self.seats.pop(agent.key, None)
+        unused rest of its n_ctx goes back to the pool), unless it is too short to keep."""
+        seat = self.seats.get(agent.key)
         if seat is None:
             return
+        if seat.kv_len < KEEP_MIN:
+            self.unseat(agent, pause=False)
+            return
+        del self.seats[agent.key]
         if self.last is agent:
             self.last = None
         tokens = agent.history[:seat.kv_len]
         self.cells_free += seat.cells - len(tokens)
         self.kept[seat.seq] = Kept(agent.owner, tokens)
-        if len(tokens) < KEEP_MIN:
-            self.evict(seat.seq)
 
     def evict(self, seq: int) -> None:
         kept = self.kept.pop(seq)

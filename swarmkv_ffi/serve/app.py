@@ -31,9 +31,14 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: 
                413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
 
 
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
+    """OpenAI's error object: a response's body, or an event in a stream that has begun."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": code}}
+
+
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
-                                   "param": param, "code": code}}, status_code=status)
+    return JSONResponse(error_body(status, message, code, param), status_code=status)
 
 
 def validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
@@ -231,8 +236,7 @@ def create_app(engine: ServeEngine, model_name: str, keys: Keys, max_body_bytes:
                 if choice.error is not None and kind == "end":
                     exc = choice.error
                     status = exc.status if isinstance(exc, Refused) else 503
-                    yield sse({"error": {"message": str(exc), "type": ERROR_TYPES.get(status, "server_error"),
-                                         "code": getattr(exc, "code", None), "param": None}})
+                    yield sse(error_body(status, str(exc), getattr(exc, "code", None)))
                     continue
                 chunk = shape.piece(call, choice, text) if kind == "text" else shape.ending(call, choice)
                 if chunk is not None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -83,6 +82,7 @@ class ServeEngine:
         self.max_requests, self.max_per_principal = max_requests, max_per_principal
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)   # notified when no choice is in flight
         self._running: dict[int, int] = {}      # principal -> choices in flight
         self.stopping = False
 
@@ -111,6 +111,8 @@ class ServeEngine:
             self._running[principal] -= n
             if not self._running[principal]:
                 del self._running[principal]
+            if not self._running:
+                self._idle.notify_all()
 
     def run(self, job: Job) -> Run:
         """Run one choice to its end (blocks): its Run, with generated tokens, cached
@@ -143,11 +145,8 @@ class ServeEngine:
         if self.store is not None:
             self.store.flush()              # prefixes captured are written before we go
         if self.memory is None:
-            while True:
-                with self._lock:
-                    if not self._running:
-                        break
-                time.sleep(0.05)
+            with self._idle:
+                self._idle.wait_for(lambda: not self._running)
             sched = self.conductor.scheduler
             sched.call(lambda: sched.drop([k for k in sched.pools if k[2]]))    # the served pools
             self.conductor._leave(self.base)
