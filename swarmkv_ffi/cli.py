@@ -2,6 +2,10 @@
 
 Every subcommand prints human-readable output by default and one JSON document with
 --json. libllama's own log is silent unless -v (info) or -vv (debug) is given.
+
+Errors: main() is the one funnel. Every library error and OSError reaches the user as one
+line, `swarmkv: error: ...`, and exit code 2 (a traceback too with -v); warnings (a prefix
+cache that could not be written, a corrupt entry dropped) as one `swarmkv: warning:` line.
 """
 from __future__ import annotations
 
@@ -10,14 +14,27 @@ import json
 import logging
 import sys
 import time
+import traceback
 
 from . import catalog, cpu, errors, library
 from .fanout.config import FanoutConfig
 
 
+class _OneLine(logging.Formatter):
+    def format(self, record) -> str:
+        return f"swarmkv: {record.levelname.lower()}: {record.getMessage()}"
+
+
 def _setup_logging(verbosity: int) -> None:
     level = {0: logging.ERROR, 1: logging.INFO}.get(verbosity, logging.DEBUG)
     logging.basicConfig(level=level, stream=sys.stderr, format="%(name)s: %(message)s")
+    if verbosity == 0:   # our own warnings, one line each; other libraries' only when asked
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_OneLine())
+        ours = logging.getLogger("swarmkv_ffi")
+        ours.setLevel(logging.WARNING)
+        ours.addHandler(handler)
+        ours.propagate = False
     # libllama is chatty at INFO; -v shows warnings+info, -vv everything
     logging.getLogger("swarmkv_ffi.llama").setLevel(
         {0: logging.CRITICAL, 1: logging.INFO}.get(verbosity, logging.DEBUG))
@@ -127,35 +144,100 @@ def cmd_fanout(args) -> int:
     specs = [BranchSpec(q, max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p,
                         seed=None if args.seed is None else args.seed + i)
              for i, q in enumerate(args.ask)]
+    saved: list[Snapshot] = []
     if args.ray is not None:
         result = _fanout_ray(args, document, specs)
     else:
+        if args.snapshot_out:
+            check_writable(Path(args.snapshot_out))        # before any work, not after it
         snapshot_in = Snapshot.load(args.snapshot_in) if args.snapshot_in else None
         with Model(catalog.resolve(args.model)) as model:
-            result = _fanout_local(args, model, document, specs, snapshot_in)
+            result = _fanout_local(args, model, document, specs, snapshot_in, saved)
+    failed = _save_snapshot(saved, args.snapshot_out)
     if args.json:
-        print(json.dumps({**result.to_dict(), "document": str(doc_path), "snapshot_out": args.snapshot_out,
-                          "settings": _settings(args), "build": library.build_info()}, indent=2))
+        emit(json.dumps({**result.to_dict(), "document": str(doc_path),
+                         "snapshot_out": None if failed else args.snapshot_out, "snapshot_out_error": failed,
+                         "settings": _settings(args), "build": library.build_info()}, indent=2) + "\n")
     else:
-        _print_fanout(result, args)
+        emit(_fanout_text(result, args))
+    if failed:
+        raise errors.OutputError(failed)                 # after the answers: one line, exit 2
     return 0
 
 
-def _fanout_local(args, model, document, specs, snapshot_in):
+def _fanout_local(args, model, document, specs, snapshot_in, saved: list):
     from .fanout import run_fanout
-    saved = []
     bar = _progress_bar(args)
+
+    def keep(snapshot) -> None:
+        """The document's snapshot, once prefilled: its size is known now, so a disk too
+        full for it is said now, while the branches still run (and the answers come)."""
+        from pathlib import Path
+
+        from .snapshot import check_room
+        saved.append(snapshot)
+        try:
+            check_room(Path(args.snapshot_out).parent, snapshot.file_nbytes)
+        except OSError as exc:
+            logging.getLogger("swarmkv_ffi.cli").warning(
+                "--snapshot-out will not fit: %s; answering anyway", errors.describe(exc))
     try:
-        result = run_fanout(model, document, specs, _fanout_config(args), mode=args.mode,
-                            snapshot_in=snapshot_in, progress=bar.update if bar else None,
-                            snapshot_out=saved.append if args.snapshot_out else None,
-                            cache=_prefix_cache(args))
+        return run_fanout(model, document, specs, _fanout_config(args), mode=args.mode,
+                          snapshot_in=snapshot_in, progress=bar.update if bar else None,
+                          snapshot_out=keep if args.snapshot_out else None,
+                          cache=_prefix_cache(args))
     finally:
         if bar:
             bar.close()
-    if args.snapshot_out:
-        saved[0].save(args.snapshot_out)
-    return result
+
+
+def check_writable(path) -> None:
+    """Raise OSError now if `path` could not be written later: a folder that cannot be
+    made, a read-only or full file system, no permission (a probe file is made and removed)."""
+    import os
+    import tempfile
+    if path.is_dir():
+        raise IsADirectoryError(21, "is a folder, not a file", str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _save_snapshot(saved: list, path: str | None) -> str | None:
+    """Write the --snapshot-out file; what went wrong, in one line, or None. A failed
+    write leaves nothing at `path` (Snapshot.save renames only a complete file)."""
+    if not path or not saved:
+        return None
+    try:
+        saved[0].save(path)
+    except OSError as exc:
+        return f"--snapshot-out not written: {errors.describe(exc)}; the answers above are complete"
+    return None
+
+
+def emit(text: str) -> None:
+    """Write a command's output to stdout. If stdout cannot take it (a full disk behind a
+    redirect), the same text goes to stderr so the work is not lost, and OutputError says
+    why."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        _detach_stdout()
+        sys.stderr.write(text)
+        raise errors.OutputError(f"cannot write standard output: {errors.describe(exc)}; "
+                                 "the output went to standard error instead") from exc
+
+
+def _detach_stdout() -> None:
+    """Point fd 1 at /dev/null, so that what stdout still buffers cannot fail again at exit."""
+    import os
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _settings(args) -> dict:
@@ -174,11 +256,12 @@ def _fanout_config(args):
 
 
 def _prefix_cache(args):
-    """The prefix cache the flags ask for (None with --no-cache)."""
+    """The prefix cache the flags ask for (None with --no-cache, or with a warning when its
+    folder cannot be used: the cache is optional)."""
     from .prefix_cache import PrefixCache
     if args.no_cache:
         return None
-    return PrefixCache(args.cache_dir, args.cache_max_bytes)
+    return PrefixCache.open_optional(args.cache_dir, args.cache_max_bytes)
 
 
 def _fanout_ray(args, document, specs):
@@ -212,6 +295,15 @@ def _progress_bar(args):
                 self.bar.close()
 
     return Bar()
+
+
+def _fanout_text(result, args) -> str:
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _print_fanout(result, args)
+    return out.getvalue()
 
 
 def _print_fanout(result, args) -> None:
@@ -420,9 +512,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging(args.verbose)
     try:
-        return args.func(args)
-    except (errors.SwarmKVError, ValueError, FileNotFoundError) as exc:
-        print(f"swarmkv: error: {exc}", file=sys.stderr)
+        code = args.func(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:          # `swarmkv ... | head`: the reader has what it wanted
+        _detach_stdout()
+        return 1
+    except (errors.SwarmKVError, ValueError, OSError) as exc:
+        if args.verbose:
+            traceback.print_exc()
+        try:
+            sys.stdout.flush()       # what the command printed before it failed
+        except OSError:
+            _detach_stdout()         # stdout itself fails (a full disk behind a redirect)
+        print(f"swarmkv: error: {errors.describe(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("swarmkv: interrupted", file=sys.stderr)

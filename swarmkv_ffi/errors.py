@@ -2,7 +2,11 @@
 raises on purpose derives from SwarmKVError; those of one subsystem live beside it:
 prefix_cache.CacheFolderError, fanout.dag.DagError / DagTimeoutError / DagStopped,
 distributed.RayFanoutError, and in conductor/ LedgerDenied, ConductorError, DaemonError
-and the client's LmxError."""
+and the client's LmxError.
+
+describe(exc) is the one way an error becomes the line a user reads."""
+import errno
+import os
 
 
 class SwarmKVError(Exception):
@@ -87,3 +91,18 @@ class SnapshotCorruptError(SnapshotError):
 
 class SnapshotMismatchError(SnapshotError):
     """The snapshot is intact but was made for another model, build, document or context."""
+
+
+class OutputError(SwarmKVError):
+    """An output the user asked for (a file, standard output) could not be written; the
+    work itself is done and was reported."""
+
+
+def describe(exc: BaseException) -> str:
+    """One line for any error a user may see: an OSError says what failed, where and its
+    errno's name (ENOSPC, EROFS...), not Python's '[Errno 28] ...: path' form."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        name = errno.errorcode.get(exc.errno, str(exc.errno))
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        return f"{where}{exc.strerror or os.strerror(exc.errno)} ({name})"
+    return str(exc) or type(exc).__name__

@@ -20,6 +20,12 @@ reader that loses an entry to eviction just misses. An entry that fails its chec
 and reported as a miss, never used. Least-recently-used entries are evicted once the
 folder exceeds `max_bytes`.
 
+A cache is optional, so its faults never cost an answer: open_optional() and offer() turn
+a folder that cannot be made, a full disk, a read-only folder, a quota or a file size
+limit into one warning and no entry (store() itself raises, having left nothing behind);
+lookup() turns an unreadable folder or a bad entry into a miss. A writer killed mid-write
+leaves only a hidden temporary file, removed by a later store once it is STALE seconds old.
+
 Safe against other users: the folder is created 0700 and its files 0600 (O_EXCL, never
 through a symlink); an existing folder owned by another user or writable by group or
 others is refused; only regular files are read (a FIFO or a device is a miss at once),
@@ -31,6 +37,7 @@ a process that can write the folder but not read the secret cannot plant an entr
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import hmac
@@ -49,7 +56,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _cdef
-from .errors import SnapshotError, SwarmKVError
+from .errors import SnapshotError, SwarmKVError, describe
 from .snapshot import FORMAT_VERSION, Snapshot, tokens_hash
 
 log = logging.getLogger("swarmkv_ffi.prefix_cache")
@@ -68,6 +75,8 @@ class CacheFolderError(SwarmKVError):
 DEFAULT_MAX_BYTES = 4 << 30
 DEFAULT_BOUNDARY = 512
 TAIL = 16   # also store a document just short of its end: a tokenizer merge with appended text stays behind it
+STALE = 600           # seconds: a temporary file this old belongs to a writer that died
+TEMPORARY = re.compile(r"^\.[0-9a-f]{40}\..*")       # what store()'s writers name their files until the rename
 
 
 def default_dir() -> Path:
@@ -120,6 +129,21 @@ def read_regular(path: Path, limit: int) -> bytes:
         os.close(fd)
 
 
+def _age(path: Path) -> float:
+    """Seconds since `path` was last written; 0 for one that just went (renamed, removed)."""
+    try:
+        return time.time() - os.lstat(path).st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def _open_or_none(path: Path) -> int | None:
+    try:
+        return os.open(path, os.O_RDONLY | NOFOLLOW)
+    except OSError:
+        return None
+
+
 def check_folder(root: Path) -> None:
     """Create `root` 0700, or refuse an existing one another user could write into."""
     try:
@@ -150,6 +174,18 @@ class PrefixCache:
         if keyed is None:
             keyed = os.environ.get(ENV_KEYED, "") not in ("", "0")
         self._secret = self._load_secret() if keyed else None
+
+    @classmethod
+    def open_optional(cls, root: str | Path | None = None, max_bytes: int | None = None,
+                      **kwargs) -> "PrefixCache | None":
+        """The cache, or None with one warning when its folder cannot be made or trusted
+        (a read-only home, a full disk, another user's folder): the run goes on without it."""
+        try:
+            return cls(root, max_bytes, **kwargs)
+        except (OSError, SwarmKVError) as exc:
+            where = root if root is not None else default_dir()
+            log.warning("prefix cache off: cannot use %s: %s; answers are unaffected", where, describe(exc))
+            return None
 
     def _load_secret(self) -> bytes:
         """The folder's MAC key: made once (0600, O_EXCL), read by every keyed process."""
@@ -206,11 +242,21 @@ class PrefixCache:
 
     @contextmanager
     def _locked(self, exclusive: bool):
+        """The folder's flock. A reader of a folder it cannot write (a read-only mount)
+        opens the lock read-only, or reads unlocked when there is none: with no writer
+        there, nothing can change under it, and a torn read is a miss anyway."""
+        lock = self.root / ".lock"
         try:
-            fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o600)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o600)
         except OSError as exc:
-            raise CacheFolderError(f"cannot open the prefix cache's lock {self.root / '.lock'} "
-                                   f"({exc.strerror}; a symlink is never followed)") from None
+            if exclusive and exc.errno == errno.ELOOP:
+                raise CacheFolderError(f"the prefix cache's lock {lock} is a symlink; it is never followed") from None
+            if exclusive:
+                raise OSError(exc.errno, exc.strerror, str(lock)) from None
+            fd = _open_or_none(lock)
+        if fd is None:
+            yield
+            return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             yield
@@ -222,7 +268,11 @@ class PrefixCache:
         """The snapshot of the longest cached prefix of `tokens`, or None. Only lengths
         some entry was stored at can match, and every entry's sidecar names its length."""
         tokens = np.asarray(tokens, dtype=np.int32)
-        stored = {e.n_tokens for e in self.entries() if e.n_tokens <= len(tokens)}
+        try:
+            stored = {e.n_tokens for e in self.entries() if e.n_tokens <= len(tokens)}
+        except OSError as exc:
+            log.warning("prefix cache: cannot read %s: %s; prefilling instead", self.root, describe(exc))
+            return None
         for k in sorted(stored, reverse=True):
             key = self.key(model_fingerprint, signature, tokens[:k])
             snap = self._load(key, model_fingerprint, tokens[:k])
@@ -251,8 +301,11 @@ class PrefixCache:
             else:
                 bad = None
         if bad is not None:
-            log.warning("prefix cache: dropping bad entry %s: %s", key, bad)
-            self.remove(key)
+            log.warning("prefix cache: dropping bad entry %s: %s", key, describe(bad))
+            try:
+                self.remove(key)
+            except (OSError, SwarmKVError) as exc:
+                log.warning("prefix cache: could not delete entry %s: %s; it is skipped", key, describe(exc))
             return None
         self._touch(key)
         return snap
@@ -264,13 +317,35 @@ class PrefixCache:
         now = time.time()
         entry = Entry(key, h.model_name, h.n_tokens, snapshot.nbytes, head[:120], now, now)
         with self._locked(exclusive=True):
-            if not self._snap(key).exists():
-                snapshot.save(self._snap(key))         # mkstemp: O_EXCL, 0600, then rename
-            if self._secret is not None:
-                entry.mac = self._mac(self._snap(key))
-            self._write_meta(entry)
+            self._sweep()
+            path = self._snap(key)
+            new = not path.exists()
+            try:
+                if new:
+                    snapshot.save(path)                # mkstemp: O_EXCL, 0600, then rename
+                if self._secret is not None:
+                    entry.mac = self._mac(path)
+                self._write_meta(entry)
+            except BaseException:
+                if new:
+                    path.unlink(missing_ok=True)       # no entry without its sidecar
+                raise
             self._evict()
         return key
+
+    def offer(self, snapshots, signature: dict, head: str = "") -> str | None:
+        """Store snapshots as an optional cache does: the first that fails (ENOSPC,
+        EDQUOT, EROFS, EACCES, EIO, a file size limit...) is left out with one warning
+        and ends the offer (the rest would fail alike). Returns that warning, or None."""
+        for snapshot in snapshots:
+            try:
+                self.store(snapshot, signature, head)
+            except (OSError, SwarmKVError) as exc:
+                where = "" if getattr(exc, "filename", None) else f"{self.root}: "
+                warning = f"prefix cache: not stored: {where}{describe(exc)}; answers are unaffected"
+                log.warning(warning)
+                return warning
+        return None
 
     def _write_meta(self, entry: Entry) -> None:
         fd, tmp = tempfile.mkstemp(prefix=f".{entry.key}.", suffix=".tmp", dir=self.root)   # O_EXCL, 0600
@@ -284,13 +359,13 @@ class PrefixCache:
 
     def _touch(self, key: str) -> None:
         """Record a use in the sidecar (file mtimes are too coarse to order quick uses)."""
-        with self._locked(exclusive=True):
-            try:
+        try:
+            with self._locked(exclusive=True):
                 entry = Entry.read(self._meta(key))
-            except (OSError, ValueError, TypeError):
-                return
-            entry.last_used = time.time()
-            self._write_meta(entry)
+                entry.last_used = time.time()
+                self._write_meta(entry)
+        except (OSError, ValueError, TypeError, SwarmKVError):
+            return                                    # a read-only folder keeps its old order
 
     # ---- listing and eviction ----------------------------------------------------------------
     def entries(self) -> list[Entry]:
@@ -324,10 +399,16 @@ class PrefixCache:
                 break
             self._unlink(e.key)
             total -= e.nbytes
+
+    def _sweep(self) -> None:
+        """Remove what dead writers left (lock held): before a store, so that their bytes
+        do not fill the disk the store needs."""
         for orphan in self.root.glob("*.snap"):       # a file whose sidecar never got written
-            if (KEY.match(orphan.stem) and not self._meta(orphan.stem).exists()
-                    and time.time() - os.lstat(orphan).st_mtime > 60):
+            if KEY.match(orphan.stem) and not self._meta(orphan.stem).exists() and _age(orphan) > 60:
                 orphan.unlink(missing_ok=True)
+        for tmp in self.root.glob(".*"):              # a writer killed before its rename
+            if TEMPORARY.match(tmp.name) and _age(tmp) > STALE:
+                tmp.unlink(missing_ok=True)
 
     def _unlink(self, key: str) -> None:
         if not KEY.match(key):

@@ -14,6 +14,7 @@ to a 64-byte boundary | payload.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -94,6 +95,19 @@ class SnapshotHeader:
             raise SnapshotCorruptError(f"snapshot header is not valid: {exc}") from exc
 
 
+def check_room(folder: Path, nbytes: int) -> None:
+    """Raise ENOSPC, before writing, when `folder`'s file system has less than `nbytes`
+    free for this user (a file system that cannot say is not checked)."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {nbytes / 2**20:.1f} MiB to write, "
+                                    f"{free / 2**20:.1f} MiB free", str(folder))
+
+
 class Snapshot:
     """A sequence's KV state in a host arena, with its header."""
 
@@ -103,6 +117,11 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         return self.header.payload_nbytes
+
+    @property
+    def file_nbytes(self) -> int:
+        """The size of the file save() writes."""
+        return len(self._prelude()) + self.data.nbytes
 
     @property
     def tokens(self) -> np.ndarray:
@@ -231,9 +250,12 @@ class Snapshot:
         return header, prelude + (-prelude) % PAYLOAD_ALIGN
 
     def save(self, path: str | Path) -> Path:
-        """Write atomically: a temporary file in the same folder, fsync, rename."""
+        """Write atomically: a temporary file in the same folder, fsync, rename. A folder
+        with too little free space is refused before a byte is written; a write that
+        fails anyway (a quota, a file size limit, an I/O error) leaves nothing behind."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        check_room(path.parent, self.file_nbytes)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -242,8 +264,10 @@ class Snapshot:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)
+            if isinstance(exc, OSError) and exc.filename is None:   # a write's error names no file
+                raise OSError(exc.errno, exc.strerror, str(path)) from exc
             raise
         return path
 

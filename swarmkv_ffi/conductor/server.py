@@ -503,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--http-exact", action="store_true", help="batch-invariant answers")
     http.add_argument("--http-share-prefixes", action="store_true",
                       help="let every key fork every key's cached prefixes")
+    http.add_argument("--http-cache-dir", type=Path, default=None, metavar="DIR",
+                      help="keep shared prefixes on disk in this folder of the daemon's (as swarmkv "
+                           "serve --cache-dir); a full or read-only folder only logs a warning")
     p.add_argument("-v", "--verbose", action="store_true", help="also show libllama's log")
     return p
 
@@ -515,7 +518,8 @@ def start_http(args, conductor: Conductor):
         raise ValueError(f"--http takes HOST:PORT, got {args.http!r}")
     keys = keys_for(host, None, args.http_api_key_file)
     return Front(conductor, args.http_model, host, int(port), keys, cells=args.http_ctx_size,
-                 seqs=args.http_parallel, exact=args.http_exact, share_prefixes=args.http_share_prefixes)
+                 seqs=args.http_parallel, exact=args.http_exact, share_prefixes=args.http_share_prefixes,
+                 cache_dir=args.http_cache_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,8 @@ def run_fanout(model: Model, document: str, specs: list[BranchSpec],
     none). The longest cached start of the document is restored and only the rest is
     prefilled; afterwards the document's state is stored at the whole prefix and at
     cache boundaries, so the next run over it (or over an extension of it) skips that work.
+    A cache that cannot be read or written (a full disk, a read-only folder) never fails
+    the run: it logs one warning, which the result's cache_warning also holds.
     snapshot_in: reuse a snapshot of this document (its tokens must match) and skip the
     prefill. snapshot_out: called with the document's snapshot once the prefill is done.
     trace_logits: keep each branch's first logits, and a digest of the logits of every
@@ -41,7 +43,7 @@ def run_fanout(model: Model, document: str, specs: list[BranchSpec],
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     plan = plan_fanout(model, document, specs, config, **settings)
-    cache = PrefixCache() if cache is True else (cache or None)
+    cache = PrefixCache.open_optional() if cache is True else (cache or None)
     if snapshot_in is not None:
         check_snapshot_document(snapshot_in, plan.layout)
     captured: list[Snapshot] = []
@@ -66,13 +68,11 @@ def run_fanout(model: Model, document: str, specs: list[BranchSpec],
         prefill_ms, snapshot_bytes = out["prefill"]
         n_ctx_used = plan.n_ctx
     total_ms = plan.ms()
-    signature = plan.cache_signature() if captured else None
-    for snap in captured:
-        cache.store(snap, signature, head=document)
+    cache_warning = cache.offer(captured, plan.cache_signature(), head=document) if captured else None
     return FanoutResult(mode=mode, model=model.path.name, n_prefix=plan.layout.n_prefix,
                         n_ctx=n_ctx_used, prefill_ms=prefill_ms, prefill_skipped=restored == plan.layout.n_prefix,
                         snapshot_bytes=snapshot_bytes, total_ms=total_ms, branches=branches,
-                        cached_tokens=restored, cache_store_ms=plan.ms() - total_ms)
+                        cached_tokens=restored, cache_store_ms=plan.ms() - total_ms, cache_warning=cache_warning)
 
 
 def _step(cache: PrefixCache, plan) -> int:

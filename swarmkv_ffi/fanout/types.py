@@ -79,6 +79,7 @@ class FanoutResult:
     branches: list[BranchResult]
     cached_tokens: int = 0          # document tokens restored (prefix cache or snapshot_in)
     cache_store_ms: float = 0.0     # writing this run's snapshots to the cache, after total_ms
+    cache_warning: str | None = None  # why the cache could not store this run's snapshots
     extras: dict = field(default_factory=dict)  # what one mode alone measures (Ray: actors, retries)
 
     def to_dict(self) -> dict:

@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="keep prefixes that requests share (256 tokens or more) in this prefix-cache "
                         "folder, so a restarted server restores them instead of prefilling "
-                        "(default: off; each key's prefixes apart)")
+                        "(default: off; each key's prefixes apart; a full or read-only folder only "
+                        "logs a warning)")
     p.add_argument("--share-prefixes", action="store_true",
                    help="let every key reuse every key's cached prefixes (off: a cached prefix's speed "
                         "would tell one key what another asked)")
@@ -107,13 +108,13 @@ class Front:
     beside the Unix socket's; stop() ends it once the daemon has drained."""
 
     def __init__(self, conductor, model: str, host: str, port: int, keys: Keys, *, cells: int, seqs: int,
-                 exact: bool, share_prefixes: bool, name: str | None = None):
+                 exact: bool, share_prefixes: bool, name: str | None = None, cache_dir: Path | None = None):
         import uvicorn
 
         from .app import create_app
         from .engine import ServeEngine
         self.engine = ServeEngine(model, cells=cells, seqs=seqs, exact=exact, share_prefixes=share_prefixes,
-                                  conductor=conductor)
+                                  conductor=conductor, cache_dir=cache_dir)
         app = create_app(self.engine, name or model, keys)
         self.server = uvicorn.Server(uvicorn_config(app, host, port, self.engine.max_requests, 0))
         self.thread = threading.Thread(target=self.server.run, name="lmxd-http", daemon=True)

@@ -64,7 +64,8 @@ class ServeEngine:
         self.memory = None if conductor is not None else DeviceMemory(budget_bytes=budget_bytes)
         self.conductor = conductor or Conductor(Ledger(self.memory.budget), n_threads=threads, policy=policy)
         self.conductor.served_pool, self.conductor.share_prefixes = (cells, seqs), share_prefixes
-        self.store = PrefixStore(PrefixCache(cache_dir)) if cache_dir is not None else None
+        cache = PrefixCache.open_optional(cache_dir) if cache_dir is not None else None
+        self.store = PrefixStore(cache) if cache is not None else None
         self.conductor.served_store = self.store
         try:
             self.base = self.conductor.register(BASE_ID, model, n_ctx=cells)

@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 
-from ..errors import SwarmKVError
+from ..errors import SwarmKVError, describe
 from ..prefix_cache import PrefixCache
 from ..snapshot import Snapshot, context_signature, tokens_hash
 
@@ -53,7 +53,7 @@ class PrefixStore:
         try:
             snap = Snapshot.capture(ctx, seq, tokens)
         except SwarmKVError as exc:
-            log.warning("prefix store: capture of %d tokens failed (%s); answers are unaffected", n, exc)
+            log.warning("prefix store: capture of %d tokens failed (%s); answers are unaffected", n, describe(exc))
             return
         self._queue.put((snap, self._signature(ctx, agent.owner)))
 
@@ -68,7 +68,7 @@ class PrefixStore:
                 return 0
             snap.restore(ctx, seq)
         except (SwarmKVError, OSError) as exc:
-            log.warning("prefix store: lookup failed (%s); decoding the prompt instead", exc)
+            log.warning("prefix store: lookup failed (%s); decoding the prompt instead", describe(exc))
             return 0
         self._stored.add((agent.owner, tokens_hash(agent.want[:snap.header.n_tokens])))
         return snap.header.n_tokens
@@ -77,10 +77,7 @@ class PrefixStore:
         while True:
             snap, signature = self._queue.get()
             try:
-                self.cache.store(snap, signature, head=f"{snap.header.n_tokens} tokens (swarmkv serve)")
-            except (SwarmKVError, OSError) as exc:
-                log.warning("prefix store: could not write %d tokens to %s (%s); answers are unaffected",
-                            snap.header.n_tokens, self.cache.root, exc)
+                self.cache.offer([snap], signature, head=f"{snap.header.n_tokens} tokens (swarmkv serve)")
             finally:
                 self._queue.task_done()
 
