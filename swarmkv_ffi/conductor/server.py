@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..errors import SwarmKVError
+from ..errors import SwarmKVError, describe
 from . import protocol
 from .access import Access
 from .agents import Conductor, ConductorError
@@ -563,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
             if front is not None:
                 front.stop()
     except (DaemonError, ValueError, OSError, SwarmKVError) as exc:
-        print(f"lmxd: error: {exc}", file=sys.stderr)
+        print(f"lmxd: error: {describe(exc)}", file=sys.stderr)
         return 2
     conductor.close()
     memory.close()
