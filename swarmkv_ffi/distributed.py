@@ -6,11 +6,20 @@
 
 The snapshot travels in the copy-mode format, header and checksum included, as a NumPy
 uint8 array, so actors on the prefill's node read it from the object store without a copy;
-each actor checks the checksum on arrival. An actor that dies has its branches retried on
-another actor. Every wait has a timeout that names what it waited for.
+each actor checks the checksum on arrival. Actors are placed by a SPREAD placement group,
+one bundle each, so they land on as many nodes as the cluster has (a scheduling strategy,
+not luck); Ray's object store pulls the snapshot once per node, whatever the number of
+actors there (the result's extras say which node ran what and what was pulled where). An
+actor that dies, or whose node is lost, has its branches retried on another actor. Every
+wait has a timeout that names what it waited for.
+
+On one machine everything binds 127.0.0.1 (connect()): a local start, and a cluster
+address on loopback, which Ray would otherwise rewrite to the machine's network address.
 """
 from __future__ import annotations
 
+import ipaddress
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -37,6 +46,48 @@ def _require_ray():
     return ray
 
 
+#: Ray's own switch to take 127.0.0.1 as this machine's address (its name says Windows and
+#: macOS, where it is the default; on Linux it does the same).
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def is_loopback(address: str | None) -> bool:
+    """A local start (None) or a HOST:PORT whose host is a loopback address."""
+    if address is None:
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def loopback_only() -> None:
+    """Make this process, and the Ray processes it starts, take 127.0.0.1 as the node's
+    address: nothing this project starts on one machine listens on a network interface."""
+    os.environ[LOOPBACK_ENV] = "0"
+    from ray._private import ray_constants
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def connect(address: str | None = None) -> None:
+    """ray.init for the fan-out and the server: a local instance or a loopback cluster on
+    127.0.0.1 only; a remote cluster's address as given (`ray start --head` prints it)."""
+    r = _require_ray()
+    if r.is_initialized():
+        return
+    if is_loopback(address):
+        loopback_only()
+        r.init(address=address, _node_ip_address="127.0.0.1", include_dashboard=False,
+               log_to_driver=False, ignore_reinit_error=True)
+    else:
+        r.init(address=address, log_to_driver=False, ignore_reinit_error=True)
+
+
+def node_id() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
 def prefill_snapshot(model_path: str, document: str, specs: list[dict], opts: dict) -> np.ndarray:
     """Runs on one Ray worker: prefill the document once (copy mode's prefill, which hands
     its snapshot to snapshot_out); return the snapshot's file bytes."""
@@ -49,6 +100,12 @@ def prefill_snapshot(model_path: str, document: str, specs: list[dict], opts: di
         one = [BranchSpec(**{**s, "max_tokens": 1}) for s in specs[:1]]
         run_fanout(model, document, one, mode="copy", snapshot_out=saved.append, **opts)
     return np.frombuffer(saved[0].to_bytes(), dtype=np.uint8)
+
+
+def _prefill_where(model_path: str, document: str, specs: list[dict], opts: dict) -> tuple[str, np.ndarray]:
+    """prefill_snapshot, and the node it ran on: the node whose object store holds the
+    snapshot (two returns, so the snapshot stays an object of its own)."""
+    return node_id(), prefill_snapshot(model_path, document, specs, opts)
 
 
 class BranchWorker:
@@ -69,8 +126,12 @@ class BranchWorker:
         snap = Snapshot.from_bytes(snapshot_bytes)  # raises SnapshotCorruptError on a bad checksum
         fetch_ms = (time.perf_counter_ns() - t) / 1e6
         result = run_fanout(self.model, document, [BranchSpec(**s) for s in specs], mode="shared",
-                            snapshot_in=snap, **self.opts)
-        return {**result.to_dict(), "snapshot_fetch_ms": fetch_ms}
+                            snapshot_in=snap, cache=False, **self.opts)
+        return {**result.to_dict(), "snapshot_fetch_ms": fetch_ms, "node": node_id(),
+                "snapshot_file_bytes": int(snapshot_bytes.nbytes)}
+
+    def node(self) -> str:
+        return node_id()
 
 
 def run_fanout_ray(model_path: str, document: str, specs, *, address: str | None = None,
@@ -84,8 +145,7 @@ def run_fanout_ray(model_path: str, document: str, specs, *, address: str | None
     that many compute threads: more threads than granted CPUs make ggml's spinning
     threads fight each other."""
     r = _require_ray()
-    if not r.is_initialized():
-        r.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    connect(address)
     if n_actors < 1:
         raise ValueError(f"n_actors must be >= 1, got {n_actors}")
     specs = list(specs)
@@ -100,24 +160,35 @@ def run_fanout_ray(model_path: str, document: str, specs, *, address: str | None
     def ms() -> float:
         return (time.perf_counter_ns() - t0) / 1e6
 
-    task = r.remote(**resources)(prefill_snapshot)
+    task = r.remote(num_returns=2, **resources)(_prefill_where)
     payload = [asdict(s) for s in specs]
-    snapshot_ref = task.remote(model_path, document, payload, opts)
+    home_ref, snapshot_ref = task.remote(model_path, document, payload, opts)
     _wait(r, [snapshot_ref], timeout, "the prefill task (document snapshot)")
-    prefill_ms = ms()  # the snapshot now sits in the object store, stored once
+    prefill_ms = ms()  # the snapshot now sits in the object store of the node that made it
 
     actor_cls = _actor_class(resources)
-    actors = [actor_cls.remote(model_path, opts) for _ in range(min(n_actors, len(specs)))]
-    per = branches_per_actor or -(-len(specs) // len(actors))
-    groups = [list(range(i, min(i + per, len(specs)))) for i in range(0, len(specs), per)]
+    group, spread = _spread(r, min(n_actors, len(specs)), resources, timeout)
+    try:
+        actors = [actor_cls.options(scheduling_strategy=place).remote(model_path, opts) for place in spread]
+        per = branches_per_actor or -(-len(specs) // len(actors))
+        groups = [list(range(i, min(i + per, len(specs)))) for i in range(0, len(specs), per)]
+        ask = lambda actor, idx: actor.answer.remote(snapshot_ref, document, [payload[i] for i in idx])  # noqa: E731
+        results, groups_out, retries = _answer_all(r, actors, groups, ask, lambda: actor_cls.remote(model_path, opts),
+                                                   time.time() + timeout, timeout)
+    finally:
+        from ray.util.placement_group import remove_placement_group
+        remove_placement_group(group)
+    return _result(model_path, results, groups_out, prefill_ms, ms(), len(groups), retries, r.get(home_ref))
+
+
+def _answer_all(r, actors: list, groups: list[list[int]], ask, spare, deadline: float, timeout: float):
+    """Hand branch group g to actor g mod n (ask(actor, indices) -> ref); a group whose
+    actor dies (or whose node is lost) goes to another actor (spare() makes one when
+    none is left), three tries at most. Returns results, each branch's group, retries."""
     results: dict[int, BranchResult] = {}
     groups_out: dict[int, dict] = {}
-    pending = {}
-    for g, idx in enumerate(groups):
-        actor = actors[g % len(actors)]
-        pending[actor.answer.remote(snapshot_ref, document, [payload[i] for i in idx])] = (idx, actor, 0)
+    pending = {ask(actors[g % len(actors)], idx): (idx, actors[g % len(actors)], 0) for g, idx in enumerate(groups)}
     retries = 0
-    deadline = time.time() + timeout
     while pending:
         left = deadline - time.time()
         if left <= 0:
@@ -129,25 +200,23 @@ def run_fanout_ray(model_path: str, document: str, specs, *, address: str | None
             try:
                 group = r.get(ref, timeout=max(1.0, deadline - time.time()))
             except r.exceptions.RayActorError:
-                actors = [a for a in actors if a is not actor]
-                if not actors:
-                    actors = [actor_cls.remote(model_path, opts)]
+                actors = [a for a in actors if a is not actor] or [spare()]
                 if tries >= 2:
                     raise RayFanoutError(f"branches {idx}: actors died 3 times") from None
                 retries += 1
                 other = actors[retries % len(actors)]
-                pending[other.answer.remote(snapshot_ref, document, [payload[i] for i in idx])] = (idx, other, tries + 1)
+                pending[ask(other, idx)] = (idx, other, tries + 1)
                 continue
             except r.exceptions.RayTaskError as exc:
                 raise exc.as_instanceof_cause() from None
             for i, b in zip(idx, group["branches"]):
                 results[i] = BranchResult.from_dict({**b, "index": i})
                 groups_out[i] = group
-    return _result(model_path, results, groups_out, prefill_ms, ms(), len(groups), retries)
+    return results, groups_out, retries
 
 
 def _result(model_path: str, results: dict, groups: dict, prefill_ms: float, total_ms: float,
-            n_actors: int, retries: int) -> FanoutResult:
+            n_actors: int, retries: int, home: str) -> FanoutResult:
     """One FanoutResult from the actors' groups; prefill_ms is until the snapshot was stored."""
     first = groups[0]
     order = range(len(results))
@@ -157,7 +226,35 @@ def _result(model_path: str, results: dict, groups: dict, prefill_ms: float, tot
         total_ms=total_ms, branches=[results[i] for i in order],
         extras={"n_actors": n_actors, "retries": retries,
                 "snapshot_fetch_ms": [groups[i]["snapshot_fetch_ms"] for i in order],
-                "actor_total_ms": [groups[i]["total_ms"] for i in order]})
+                "actor_total_ms": [groups[i]["total_ms"] for i in order],
+                "branch_nodes": [groups[i]["node"] for i in order],
+                "nodes": _nodes_used(groups, order, home)})
+
+
+def _nodes_used(groups: dict, order, home: str) -> dict:
+    """Per node that answered: its branches, and the snapshot bytes pulled to it (none on
+    the node that made it; one copy on any other, however many actors there read it)."""
+    nodes: dict[str, dict] = {}
+    for i in order:
+        node = groups[i]["node"]
+        entry = nodes.setdefault(node, {"branches": [], "snapshot_bytes_pulled": 0})
+        entry["branches"].append(i)
+        if node != home:
+            entry["snapshot_bytes_pulled"] = groups[i]["snapshot_file_bytes"]
+    return nodes
+
+
+def _spread(r, n: int, resources: dict, timeout: float) -> list:
+    """n placements on as many distinct nodes as the cluster has (SPREAD: best effort
+    across nodes, packed only where nodes run out)."""
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    bundle = {"GPU": 1} if "num_gpus" in resources else {"CPU": resources["num_cpus"]}
+    group = placement_group([bundle] * n, strategy="SPREAD")
+    ready, _ = r.wait([group.ready()], timeout=timeout)
+    if not ready:
+        raise RayFanoutError(f"timed out after {timeout} s placing {n} branch actors ({bundle} each)")
+    return group, [PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i) for i in range(n)]
 
 
 def _actor_class(resources: dict):

@@ -19,7 +19,10 @@ OPTS = dict(n_batch=64)
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    from swarmkv_ffi.distributed import loopback_only
+    loopback_only()
+    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
+             ignore_reinit_error=True)
     yield
     ray.shutdown()
 
@@ -65,19 +68,22 @@ def test_dead_actor_branches_are_retried(cluster, model_path, smol, monkeypatch)
     real_remote = ray.remote
     killed = []
 
-    def kill_first(actor_cls):
-        original = actor_cls.remote
+    class KillFirst:
+        """The actor class, but the first actor placed is killed at once."""
+        def __init__(self, actor_cls):
+            self.actor_cls = actor_cls
 
-        def spawn(*a, **k):
-            handle = original(*a, **k)
+        def options(self, **placement):
+            return KillFirst(self.actor_cls.options(**placement))
+
+        def remote(self, *a, **k):
+            handle = self.actor_cls.remote(*a, **k)
             if not killed:
                 killed.append(handle)
                 ray.kill(handle, no_restart=True)
             return handle
-        actor_cls.remote = spawn
-        return actor_cls
 
-    monkeypatch.setattr(dist, "_actor_class", lambda resources: kill_first(real_remote(**resources)(BranchWorker)))
+    monkeypatch.setattr(dist, "_actor_class", lambda resources: KillFirst(real_remote(**resources)(BranchWorker)))
     out = run_fanout_ray(model_path, DOC, specs(2), n_actors=2, exact=True, **OPTS)
     assert killed and out.extras["retries"] >= 1
     local = run_fanout(smol, DOC, specs(2), mode="copy", exact=True, **OPTS)  # the reference, without Ray

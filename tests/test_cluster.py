@@ -1,0 +1,83 @@
+"""Past one machine, simulated on one: a Ray cluster of three nodes (ray.cluster_utils,
+each node its own raylet and object store, all on 127.0.0.1, each with a resource that
+names it). The fan-out's actors are spread over the nodes, the snapshot is pulled once
+per remote node, and a node lost mid-run costs no branch: the answers still equal local
+exact copy mode's."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'swarmkv-ffi[distributed]')")
+
+from swarmkv_ffi import catalog  # noqa: E402
+from swarmkv_ffi.distributed import connect, loopback_only, run_fanout_ray  # noqa: E402
+from swarmkv_ffi.fanout import BranchSpec, run_fanout  # noqa: E402
+from corpus import DOC, QUESTIONS  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
+OPTS = dict(n_batch=64, exact=True)
+
+
+@pytest.fixture(scope="module")
+def three_nodes():
+    loopback_only()
+    from ray.cluster_utils import Cluster
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"node0": 1}, "node_ip_address": "127.0.0.1", "include_dashboard": False})
+    workers = [cluster.add_node(num_cpus=2, resources={f"node{i}": 1}, node_ip_address="127.0.0.1") for i in (1, 2)]
+    connect(cluster.address)
+    yield cluster, workers
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def names() -> dict[str, str]:
+    """Node id -> the resource that names the node (node0, node1, node2)."""
+    return {n["NodeID"]: next(k for k in n["Resources"] if k.startswith("node") and k[4:].isdigit())
+            for n in ray.nodes() if n["Alive"]}
+
+
+def specs(n: int, max_tokens: int = 8) -> list[BranchSpec]:
+    return [BranchSpec(QUESTIONS[i % len(QUESTIONS)], max_tokens=max_tokens) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    return str(catalog.resolve("smollm2-135m"))
+
+
+def test_actors_spread_over_the_nodes_and_each_remote_node_pulls_the_snapshot_once(three_nodes, model_path, smol):
+    out = run_fanout_ray(model_path, DOC, specs(6), n_actors=3, **OPTS)
+    local = run_fanout(smol, DOC, specs(6), mode="copy", cache=False, **OPTS)
+    assert [b.token_ids for b in out.branches] == [b.token_ids for b in local.branches]
+    named = names()
+    nodes = out.extras["nodes"]
+    assert sorted(named[n] for n in nodes) == ["node0", "node1", "node2"]     # SPREAD: one actor a node
+    assert sorted(i for e in nodes.values() for i in e["branches"]) == list(range(6))
+    pulled = sorted(e["snapshot_bytes_pulled"] for e in nodes.values())
+    assert pulled[0] == 0 and pulled[1] == pulled[2] > out.snapshot_bytes     # home: none; others: one file
+
+
+def test_a_node_lost_mid_run_costs_no_branch(three_nodes, model_path, smol):
+    cluster, workers = three_nodes
+    done: dict = {}
+    run = threading.Thread(target=lambda: done.update(
+        out=run_fanout_ray(model_path, DOC, specs(6, 24), n_actors=3, **OPTS)))
+    cpus = ray.cluster_resources()["CPU"]
+    run.start()
+    deadline = time.monotonic() + 120
+    while ray.available_resources().get("CPU", cpus) > cpus - 3:   # three actors' bundles placed
+        assert time.monotonic() < deadline and run.is_alive(), "the actors were never placed"
+        time.sleep(0.05)
+    time.sleep(1.0)                                                   # their models loading, answering
+    lost = workers[0].node_id
+    cluster.remove_node(workers[0])
+    run.join(timeout=900)
+    out = done["out"]
+    local = run_fanout(smol, DOC, specs(6, 24), mode="copy", cache=False, **OPTS)
+    assert [b.token_ids for b in out.branches] == [b.token_ids for b in local.branches]
+    assert out.extras["retries"] >= 1 and lost not in out.extras["branch_nodes"]
+    workers[0] = cluster.add_node(num_cpus=2, resources={"node1": 1}, node_ip_address="127.0.0.1")
