@@ -81,3 +81,81 @@ def test_a_node_lost_mid_run_costs_no_branch(three_nodes, model_path, smol):
     assert [b.token_ids for b in out.branches] == [b.token_ids for b in local.branches]
     assert out.extras["retries"] >= 1 and lost not in out.extras["branch_nodes"]
     workers[0] = cluster.add_node(num_cpus=2, resources={"node1": 1}, node_ip_address="127.0.0.1")
+
+
+# ---- swarmkv serve --ray: the OpenAI API from replicas on the cluster, routed by prefix ------
+@pytest.fixture(scope="module")
+def served(three_nodes, tmp_path_factory):
+    """`swarmkv serve --ray ADDRESS`, as a user joins it to a cluster: two replicas of one
+    thread each (exact mode, so an answer does not depend on where it ran)."""
+    from serve_process import Serve
+    cluster, _ = three_nodes
+    log = tmp_path_factory.mktemp("serve-ray") / "serve.log"
+    with Serve("--ray", cluster.address, "--replicas", "2", "--threads", "1", "--exact", "--ctx-size", "4096",
+               "--parallel", "8", log=log) as server:
+        yield server, log
+
+
+def over(name: str) -> str:
+    from test_serve import APACHE
+    return f"Document {name}.\n" + APACHE[:2400]
+
+
+def ask_raw(client, doc: str, question: str, max_tokens: int = 8):
+    """One chat request; its reply and the replica that answered it."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="smollm2-135m", max_tokens=max_tokens, temperature=0,
+        messages=[{"role": "system", "content": doc}, {"role": "user", "content": question}])
+    return raw.parse(), raw.headers["x-swarmkv-replica"]
+
+
+def test_two_documents_go_to_two_replicas_and_each_is_prefilled_once(served):
+    import concurrent.futures as cf
+    server, _ = served
+    client = server.client()
+    docs = [over("red"), over("blue")]
+    first = [ask_raw(client, doc, "Who may use the work?") for doc in docs]      # each to a replica
+    with cf.ThreadPoolExecutor(6) as pool:
+        rest = list(pool.map(lambda job: ask_raw(client, *job),
+                             [(doc, q) for doc in docs for q in ("Is there a warranty?", "What is a Contribution?",
+                                                                 "Can I sell copies?")]))
+    n_doc = first[0][0].usage.prompt_tokens - 40
+    for d, doc in enumerate(docs):
+        replies = [first[d]] + rest[3 * d:3 * d + 3]
+        assert {replica for _, replica in replies} == {first[d][1]}, f"document {d} went to several replicas"
+        prefilled = [r for r, _ in replies if r.usage.prompt_tokens_details.cached_tokens < n_doc]
+        assert prefilled == [first[d][0]], f"document {d} was prefilled {len(prefilled)} times"
+    assert first[0][1] != first[1][1]
+
+
+def test_a_killed_replica_costs_the_requests_it_held_and_serve_replaces_it(served):
+    """Kill the replica that holds a document while it streams an answer over it: that
+    stream ends with an error event; a request sent at once after is answered (by the
+    other replica, or retried there); Serve starts a replacement."""
+    import openai
+    from ray import serve
+    server, log = served
+    client = server.client()
+    doc = over("green")
+    _, holder = ask_raw(client, doc, "Who may use the work?")
+    stream = client.chat.completions.create(model="smollm2-135m", max_tokens=200, temperature=0, stream=True,
+                                            messages=[{"role": "system", "content": doc},
+                                                      {"role": "user", "content": "Explain the licence."}])
+    with pytest.raises(openai.APIError, match="replica"):
+        for n, _chunk in enumerate(stream):
+            if n == 2:
+                ray.kill(replica_actor(holder), no_restart=True)
+    reply, replica = ask_raw(client, doc, "Is there a warranty?")
+    assert reply.choices[0].message.content and replica != holder
+    deadline = time.monotonic() + 180
+    while serve.status().applications["swarmkv"].deployments["engine"].replica_states.get("RUNNING", 0) < 2:
+        assert time.monotonic() < deadline, "Serve did not replace the replica"
+        time.sleep(1)
+    assert "Traceback" not in log.read_text()
+
+
+def replica_actor(unique_id: str):
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].endswith(unique_id) and "engine" in actor["name"]:
+            return ray.get_actor(actor["name"], namespace=actor["namespace"])
+    raise AssertionError(f"no replica actor named for {unique_id}")

@@ -65,6 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-remote-without-key", action="store_true",
                    help="listen on a non-loopback address with no API key (anyone who reaches it may use it)")
     p.add_argument("-v", "--verbose", action="count", default=0, help="libllama's log (-vv: uvicorn's access log)")
+    ray = p.add_argument_group("on a Ray cluster (the 'distributed' extra; docs/cluster.md)")
+    ray.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                     help="serve from Ray Serve replicas: a cluster's address (ray start --head prints "
+                          "it), or none to start Ray on this machine (127.0.0.1 only)")
+    ray.add_argument("--replicas", type=int, default=2,
+                     help="engine replicas, each on --threads CPUs of its node (default: 2)")
+    ray.add_argument("--route", choices=["prefix", "load"], default="prefix",
+                     help="send a request to the replica that holds the longest prefix of it (default), "
+                          "or by load alone (Serve's default router)")
+    ray.add_argument("--route-imbalance", type=int, default=16,
+                     help="route by load instead of prefix while the replicas' queues differ by more "
+                          "than this many requests (default: 16)")
     return p
 
 
@@ -77,6 +89,10 @@ def check_args(args) -> Keys:
         raise ValueError("--default-max-tokens, --max-requests and --max-requests-per-key must be >= 1")
     if args.max_body_bytes < 1024:
         raise ValueError("--max-body-bytes must be at least 1024")
+    if args.replicas < 1 or args.route_imbalance < 1:
+        raise ValueError("--replicas and --route-imbalance must be >= 1")
+    if args.ray is not None and args.cache_dir is not None:
+        raise ValueError("--cache-dir is per machine; with --ray each replica keeps its prefixes in its pool")
     return keys_for(args.host, args.api_key, args.api_key_file, args.allow_remote_without_key)
 
 
@@ -150,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("swarmkv_ffi.llama").setLevel(logging.INFO if args.verbose else logging.CRITICAL)
     keys = check_args(args)
+    if args.ray is not None:
+        from .on_ray import run
+        return run(args, keys.mapping())
     name = args.name or args.model
     engine = ServeEngine(args.model, cells=args.ctx_size, seqs=args.parallel, threads=args.threads,
                          exact=args.exact, share_prefixes=args.share_prefixes, budget_bytes=args.budget_bytes,

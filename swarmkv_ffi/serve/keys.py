@@ -38,6 +38,10 @@ class Keys:
             raise ValueError(f"{path} holds no key")
         return cls(keys)
 
+    def mapping(self) -> dict[str, str]:
+        """key -> name, in order (the same principals when another process rebuilds it)."""
+        return dict(self._keys)
+
     @property
     def required(self) -> bool:
         return bool(self._keys)

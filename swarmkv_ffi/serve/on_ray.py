@@ -1,0 +1,248 @@
+"""`swarmkv serve --ray`: the same OpenAI API on Ray Serve, R replicas routed by prefix.
+
+    client ──HTTP──▶ Serve's proxy (127.0.0.1 on one machine) ──▶ Ingress: reads the body
+        ──handle call, routed by Ray's PrefixCacheAffinityRouter──▶ Replica: a whole
+          `swarmkv serve` app (engine, keys, limits, errors) answering in its process
+
+The router keeps a prefix tree of the prompts it has sent to each replica and sends a
+request where the longest prefix of it went, so the requests over one document reach the
+replica whose pool already holds that document; while the replicas' queues differ by
+more than --route-imbalance requests it balances by load instead, so one hot document
+cannot pin all traffic to one replica. `--route load` keeps Serve's default router
+(power of two choices by queue length), the benchmark's baseline.
+
+A replica that dies: a request that has received nothing yet is retried once (the router
+picks a live replica); one that has streamed part of its answer ends with an error event
+(503); Serve starts a new replica. Everything the replica does (keys, 4xx errors, quotas)
+is the single server's own code, so the two answer alike.
+"""
+
+import asyncio
+import json
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from .app import error_body, error_response, sse
+
+log = logging.getLogger("swarmkv.serve")
+
+# Ray's prefix-aware router. Its public name, ray.serve.llm.request_router, imports
+# ray.serve.llm, which needs pyarrow (Ray Data) for nothing this router does.
+PREFIX_ROUTER = ("ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router"
+                 ":PrefixCacheAffinityRouter")
+
+
+REPLICA_HEADER = "x-swarmkv-replica"
+
+
+@dataclass
+class Forwarded:
+    """One HTTP request as the ingress hands it on. `prompt` is what the prefix router
+    reads (an attribute of that name): the text the request starts with."""
+    method: str
+    path: str
+    query: bytes
+    headers: list[tuple[str, str]]
+    body: bytes
+    prompt: str = ""
+
+    @classmethod
+    def of(cls, method: str, path: str, query: bytes, headers, body: bytes) -> "Forwarded":
+        return cls(method, path, query, list(headers), body, routing_text(path, body))
+
+
+def routing_text(path: str, body: bytes) -> str:
+    """The text a request's prompt starts with: its messages' contents in order (a chat),
+    its prompt (a completion); never empty (the router divides by its length), so a
+    request without one (GET /health, a malformed body the replica will refuse) is its path."""
+    try:
+        parsed = json.loads(body) if body else {}
+    except ValueError:
+        parsed = {}
+    parsed = parsed if isinstance(parsed, dict) else {}
+    messages, prompt = parsed.get("messages"), parsed.get("prompt")
+    if isinstance(messages, list):
+        text = "".join(_content(m.get("content")) for m in messages if isinstance(m, dict))
+    elif isinstance(prompt, list):
+        text = next((p for p in prompt if isinstance(p, str)), "")
+    else:
+        text = prompt if isinstance(prompt, str) else ""
+    return text or path
+
+
+def _content(content) -> str:
+    """A message's text: a string, or the text parts of a list of parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+async def call_app(app, request: Forwarded):
+    """Run one request through an ASGI app in this process. Yields ("start", status,
+    headers) and then the body's chunks. When the caller stops listening (the client
+    left), the app is told the client disconnected."""
+    sent: asyncio.Queue = asyncio.Queue()
+    gone = asyncio.Event()
+    given = False
+
+    async def receive() -> dict:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": request.body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": request.method,
+             "scheme": "http", "path": request.path, "raw_path": request.path.encode(), "root_path": "",
+             "query_string": request.query, "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
+             "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in request.headers]}
+    task = asyncio.create_task(app(scope, receive, sent.put))
+    try:
+        while True:
+            message = await _next_message(sent, task)
+            if message["type"] == "http.response.start":
+                yield ("start", message["status"], [(k.decode("latin-1"), v.decode("latin-1"))
+                                                    for k, v in message.get("headers", [])])
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield message["body"]
+                if not message.get("more_body"):
+                    return
+    finally:
+        gone.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(task), 30)
+        except BaseException:
+            task.cancel()
+
+
+async def _next_message(sent: asyncio.Queue, task: asyncio.Task) -> dict:
+    getter = asyncio.ensure_future(sent.get())
+    await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+    if getter.done():
+        return getter.result()
+    getter.cancel()
+    task.result()                       # the app raised: that error, here
+    raise RuntimeError("the app ended without sending its whole response")
+
+
+class Replica:
+    """A Serve replica: one `swarmkv serve` app over its own engine, on its node's cores."""
+
+    def __init__(self, model: str, name: str, keys: dict[str, str], engine: dict, app: dict):
+        from ray import serve
+
+        from .app import create_app
+        from .engine import ServeEngine
+        from .keys import Keys
+        self.engine = ServeEngine(model, **engine)
+        self.app = create_app(self.engine, name, Keys(keys), **app)
+        self.id = serve.get_replica_context().replica_id.unique_id
+
+    async def __call__(self, request: Forwarded):
+        """The app's response; its start says which replica answered (x-swarmkv-replica)."""
+        async for part in call_app(self.app, request):
+            if isinstance(part, tuple):
+                part = (*part[:2], [*part[2], (REPLICA_HEADER, self.id)])
+            yield part
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+
+
+def replica_gone() -> tuple[type, ...]:
+    import ray
+    return (ray.exceptions.RayActorError,)
+
+
+def ingress(max_body_bytes: int):
+    """The ingress deployment: takes any request, reads its body (capped) and hands it to
+    a replica, retrying once on another when the first died before answering."""
+    from ray import serve
+
+    api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+    @serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
+    @serve.ingress(api)
+    class Ingress:
+        def __init__(self, replicas):
+            self.replicas = replicas.options(stream=True)
+
+        @api.api_route("/{path:path}", methods=["GET", "POST"])
+        async def forward(self, request: Request, path: str):
+            body = bytearray()
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > max_body_bytes:
+                    return error_response(413, f"the body is over {max_body_bytes} bytes (--max-body-bytes)",
+                                          "body_too_large")
+            forwarded = Forwarded.of(request.method, request.url.path, request.url.query.encode(),
+                                     request.headers.items(), bytes(body))
+            for attempt in range(2):
+                stream = self.replicas.remote(forwarded)
+                try:
+                    _, status, headers = await stream.__anext__()
+                except replica_gone():
+                    log.warning("serve --ray: a replica died before answering; %s",
+                                "retrying on another" if attempt == 0 else "giving up")
+                    continue
+                return StreamingResponse(self.rest(stream, headers), status_code=status,
+                                         headers={k: v for k, v in headers if k.lower() != "content-length"})
+            return error_response(503, "the replicas that took this request died; try again", "replica_lost")
+
+        async def rest(self, stream, headers):
+            try:
+                async for chunk in stream:
+                    yield chunk
+            except replica_gone():
+                if any(k.lower() == "content-type" and "event-stream" in v for k, v in headers):
+                    yield sse(error_body(503, "the replica answering this request died", "replica_lost"))
+    return Ingress
+
+
+def application(args, keys: dict[str, str], replicas: int, route: str, imbalance: int):
+    """The Serve application `swarmkv serve --ray` runs: the ingress bound to R replicas."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+    router = (RequestRouterConfig(request_router_class=PREFIX_ROUTER,
+                                  request_router_kwargs={"imbalanced_threshold": imbalance})
+              if route == "prefix" else None)
+    engine = dict(cells=args.ctx_size, seqs=args.parallel, threads=args.threads or 1, exact=args.exact,
+                  share_prefixes=args.share_prefixes, max_requests=args.max_requests,
+                  max_per_principal=args.max_requests_per_key)
+    app = dict(max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens)
+    options = dict(name="engine", num_replicas=replicas, ray_actor_options={"num_cpus": args.threads or 1},
+                   max_ongoing_requests=args.max_requests, health_check_period_s=2)
+    if router is not None:
+        options["request_router_config"] = router
+    replica = serve.deployment(**options)(Replica).bind(args.model, args.name or args.model, keys, engine, app)
+    return ingress(args.max_body_bytes).bind(replica)
+
+
+def run(args, keys: dict[str, str]) -> int:
+    """Connect to (or start) Ray, run the application until SIGINT/SIGTERM, shut it down."""
+    from ray import serve
+
+    from ..distributed import connect
+    connect(None if args.ray == "local" else args.ray)
+    serve.start(http_options={"host": args.host, "port": args.port, "location": "HeadOnly"})
+    serve.run(application(args, keys, args.replicas, args.route, args.route_imbalance),
+              name="swarmkv", route_prefix="/")
+    print(f"swarmkv serve: {args.name or args.model} on Ray Serve, {args.replicas} replicas routed by "
+          f"{args.route}, on http://{args.host}:{args.port}/v1", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    serve.shutdown()
+    return 0
