@@ -382,6 +382,7 @@ BENCHMARKS = {
     "prefix-cache": ("prefix_cache", "cold vs warm vs extended document"),
     "builds": ("builds", "prefill and decode speed of two libllama builds (native vs --portable)"),
     "ray": ("ray", "local copy mode vs Ray (one node, two actors)"),
+    "cluster": ("cluster", "simulated Ray cluster: serve routed by prefix vs by load, fan-out on 1 vs N nodes"),
     "conductor": ("conductor", "lmxd: KV swap vs re-prefill, STATUS latency under load"),
     "multiuser": ("multiuser", "lmxd: one user's latency while another floods it (needs root)"),
     "agents": ("agents", "lmxd: N agents of one model at once vs llama-server -np N --kv-unified"),
