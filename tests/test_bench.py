@@ -94,6 +94,20 @@ def test_serve_bench_smoke(tmp_path):
     assert "16/16" not in proc.stderr and "2/2 answers" in proc.stderr
 
 
+@pytest.mark.slow
+def test_cluster_bench_smoke(tmp_path):
+    """Both scenarios on a tiny configuration: a simulated cluster each, JSON written."""
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed (the distributed extra)")
+    proc = subprocess.run([sys.executable, "-m", "swarmkv_ffi.cli", "bench", "cluster", "--docs", "2", "--agents", "2",
+                           "--doc-tokens", "300", "--gen", "2", "--branches", "2", "--actors", "2",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "cluster.json").read_text())
+    assert report["serve"]["prefills_prefix"] == [2]              # each document once, routed by prefix
+    assert [row["nodes"] for row in report["fanout"]] == [1, 2]
+    assert sorted(e["snapshot_bytes_pulled"] > 0 for e in report["fanout"][1]["per_node"]) == [False, True]
+
+
 def test_kernels_bench_checks_its_arguments_and_names_the_missing_tools(tmp_path):
     from swarmkv_ffi import library
     root = library.install_root(library.find_library())

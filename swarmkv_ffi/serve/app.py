@@ -144,6 +144,21 @@ class Call:
                 "prompt_tokens_details": {"cached_tokens": sum(c.run.cached for c in firsts)}}
 
 
+async def capped_body(request: Request, max_body_bytes: int) -> bytes:
+    """The request's body, or 413 as soon as it is known to be over the cap (its
+    Content-Length, else the bytes read so far): a huge body is never held whole."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > max_body_bytes:
+        raise Refused(413, f"the body is {size} bytes; the server takes at most {max_body_bytes} "
+                      "(--max-body-bytes)", "body_too_large")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > max_body_bytes:
+            raise Refused(413, f"the body is over {max_body_bytes} bytes (--max-body-bytes)", "body_too_large")
+    return bytes(raw)
+
+
 def create_app(engine: ServeEngine, model_name: str, keys: Keys, max_body_bytes: int = 8 << 20,
                default_max_tokens: int = 1024) -> FastAPI:
     app = FastAPI(title="swarmkv serve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -172,16 +187,7 @@ def create_app(engine: ServeEngine, model_name: str, keys: Keys, max_body_bytes:
         return who
 
     async def read_body(request: Request, schema):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > max_body_bytes:
-            raise Refused(413, f"the body is {size} bytes; the server takes at most {max_body_bytes} "
-                          "(--max-body-bytes)", "body_too_large")
-        raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > max_body_bytes:
-                raise Refused(413, f"the body is over {max_body_bytes} bytes (--max-body-bytes)",
-                              "body_too_large")
+        raw = await capped_body(request, max_body_bytes)
         try:
             return schema.model_validate(json.loads(raw))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -96,6 +96,16 @@ def check_args(args) -> Keys:
     return keys_for(args.host, args.api_key, args.api_key_file, args.allow_remote_without_key)
 
 
+def engine_options(args) -> dict:
+    """The ServeEngine settings the flags ask for (one server, or each --ray replica).
+    One key alone gets whole n_batch steps, as llama-server's slots do; between keys
+    lmxd's fair budget applies."""
+    return dict(cells=args.ctx_size, seqs=args.parallel, threads=args.threads, exact=args.exact,
+                share_prefixes=args.share_prefixes, budget_bytes=args.budget_bytes,
+                max_requests=args.max_requests, max_per_principal=args.max_requests_per_key,
+                policy=Policy(lone_step_seconds=None))
+
+
 def keys_for(host: str, key: str | None, key_file: Path | None, allow_remote: bool = False) -> Keys:
     """The keys to require; none only on a loopback address (unless allowed)."""
     if key is not None:
@@ -170,10 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         from .on_ray import run
         return run(args, keys.mapping())
     name = args.name or args.model
-    engine = ServeEngine(args.model, cells=args.ctx_size, seqs=args.parallel, threads=args.threads,
-                         exact=args.exact, share_prefixes=args.share_prefixes, budget_bytes=args.budget_bytes,
-                         max_requests=args.max_requests, max_per_principal=args.max_requests_per_key,
-                         policy=Policy(lone_step_seconds=None), cache_dir=args.cache_dir)
+    engine = ServeEngine(args.model, **engine_options(args), cache_dir=args.cache_dir)
     app = create_app(engine, name, keys, args.max_body_bytes, args.default_max_tokens)
     server = uvicorn.Server(uvicorn_config(app, args.host, args.port, args.max_requests, args.verbose))
     mode = "exact" if args.exact else "fast"

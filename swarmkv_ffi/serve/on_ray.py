@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from .app import error_body, error_response, sse
+from .app import capped_body, error_body, error_response, sse
+from .engine import Refused
 
 log = logging.getLogger("swarmkv.serve")
 
@@ -180,14 +181,12 @@ def ingress(max_body_bytes: int):
 
         @api.api_route("/{path:path}", methods=["GET", "POST"])
         async def forward(self, request: Request, path: str):
-            body = bytearray()
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > max_body_bytes:
-                    return error_response(413, f"the body is over {max_body_bytes} bytes (--max-body-bytes)",
-                                          "body_too_large")
+            try:
+                body = await capped_body(request, max_body_bytes)
+            except Refused as exc:
+                return error_response(exc.status, str(exc), exc.code)
             forwarded = Forwarded.of(request.method, request.url.path, request.url.query.encode(),
-                                     request.headers.items(), bytes(body))
+                                     request.headers.items(), body)
             for attempt in range(2):
                 stream = self.replicas.remote(forwarded)
                 try:
@@ -217,11 +216,11 @@ def application(args, keys: dict[str, str], replicas: int, route: str, imbalance
     router = (RequestRouterConfig(request_router_class=PREFIX_ROUTER,
                                   request_router_kwargs={"imbalanced_threshold": imbalance})
               if route == "prefix" else None)
-    engine = dict(cells=args.ctx_size, seqs=args.parallel, threads=args.threads or 1, exact=args.exact,
-                  share_prefixes=args.share_prefixes, max_requests=args.max_requests,
-                  max_per_principal=args.max_requests_per_key)
+    from .cli import engine_options
+    args.threads = args.threads or 1            # the CPUs each replica asks Ray for
+    engine = engine_options(args)
     app = dict(max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens)
-    options = dict(name="engine", num_replicas=replicas, ray_actor_options={"num_cpus": args.threads or 1},
+    options = dict(name="engine", num_replicas=replicas, ray_actor_options={"num_cpus": args.threads},
                    max_ongoing_requests=args.max_requests, health_check_period_s=2)
     if router is not None:
         options["request_router_config"] = router
