@@ -1,15 +1,15 @@
 """`swarmkv serve --ray`: the same OpenAI API on Ray Serve, R replicas routed by prefix.
 
     client ──HTTP──▶ Serve's proxy (127.0.0.1 on one machine) ──▶ Ingress: reads the body
-        ──handle call, routed by Ray's PrefixCacheAffinityRouter──▶ Replica: a whole
-          `swarmkv serve` app (engine, keys, limits, errors) answering in its process
+        ──handle call, routed by prefix (routing.py)──▶ Replica: a whole `swarmkv serve`
+          app (engine, keys, limits, errors) answering in its process
 
-The router keeps a prefix tree of the prompts it has sent to each replica and sends a
-request where the longest prefix of it went, so the requests over one document reach the
-replica whose pool already holds that document; while the replicas' queues differ by
-more than --route-imbalance requests it balances by load instead, so one hot document
-cannot pin all traffic to one replica. `--route load` keeps Serve's default router
-(power of two choices by queue length), the benchmark's baseline.
+The router sends a request where the longest start of it went before, so the requests
+over one document reach the replica whose pool already holds that document; a request
+whose replica has --route-imbalance more requests in flight than the least loaded one
+goes there instead, so one hot document cannot pin all traffic to one replica.
+`--route load` keeps Serve's default router (power of two choices by queue length), the
+benchmark's baseline.
 
 A replica that dies: a request that has received nothing yet is retried once (the router
 picks a live replica); one that has streamed part of its answer ends with an error event
@@ -31,12 +31,6 @@ from .app import capped_body, error_body, error_response, sse
 from .engine import Refused
 
 log = logging.getLogger("swarmkv.serve")
-
-# Ray's prefix-aware router. Its public name, ray.serve.llm.request_router, imports
-# ray.serve.llm, which needs pyarrow (Ray Data) for nothing this router does.
-PREFIX_ROUTER = ("ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router"
-                 ":PrefixCacheAffinityRouter")
-
 
 REPLICA_HEADER = "x-swarmkv-replica"
 
@@ -213,8 +207,9 @@ def application(args, keys: dict[str, str], replicas: int, route: str, imbalance
     """The Serve application `swarmkv serve --ray` runs: the ingress bound to R replicas."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
-    router = (RequestRouterConfig(request_router_class=PREFIX_ROUTER,
-                                  request_router_kwargs={"imbalanced_threshold": imbalance})
+
+    from .routing import PrefixRouter
+    router = (RequestRouterConfig(request_router_class=PrefixRouter, request_router_kwargs={"imbalance": imbalance})
               if route == "prefix" else None)
     from .cli import engine_options
     args.threads = args.threads or 1            # the CPUs each replica asks Ray for
