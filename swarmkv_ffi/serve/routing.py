@@ -12,8 +12,9 @@ one, however close behind, follows it.
 Starts are compared at a few lengths (LEVELS characters), longest first, by exact match
 of that many leading characters: a document in the system message matches at the
 longest level its requests share. A request that matches nothing goes to the replica
-with the fewest requests in flight; so does one whose match sits `imbalance` requests
-above the least loaded replica (the guard that keeps one hot document from pinning all
+with the fewest requests in flight, and among those the one that holds the fewest
+starts (so two new documents go to two replicas); so does one whose match sits
+`imbalance` requests above the least loaded replica (the guard that keeps one hot document from pinning all
 traffic to one replica: that document is then prefilled on a second replica too).
 """
 from collections import Counter, OrderedDict
@@ -29,6 +30,7 @@ class PrefixRouter(RequestRouter):
         self.imbalance = imbalance
         self.starts = {n: OrderedDict() for n in LEVELS}     # start -> replica it was last sent to
         self.in_flight: Counter = Counter()                   # replica -> requests routed, not completed
+        self.held: Counter = Counter()                        # replica -> starts it holds (shortest level)
         self.chosen: dict[str, ReplicaID] = {}                # request id -> replica counted for it
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -37,7 +39,7 @@ class PrefixRouter(RequestRouter):
             return [candidate_replicas]
         text = str(getattr(pending_request.args[0], "prompt", "")) if pending_request.args else ""
         by_id = {r.replica_id: r for r in candidate_replicas}
-        least = min(candidate_replicas, key=lambda r: self.in_flight[r.replica_id])
+        least = min(candidate_replicas, key=lambda r: (self.in_flight[r.replica_id], self.held[r.replica_id]))
         target = self._holder(text, by_id)
         if target is None or self.in_flight[target.replica_id] - self.in_flight[least.replica_id] > self.imbalance:
             target = least
@@ -57,11 +59,14 @@ class PrefixRouter(RequestRouter):
     def _remember(self, text: str, replica: ReplicaID) -> None:
         for n in LEVELS:
             if len(text) >= n:
-                table = self.starts[n]
-                table[text[:n]] = replica
-                table.move_to_end(text[:n])
-                if len(table) > MEMORY:
-                    table.popitem(last=False)
+                table, start = self.starts[n], text[:n]
+                before = table.get(start)
+                table[start] = replica
+                table.move_to_end(start)
+                evicted = table.popitem(last=False)[1] if len(table) > MEMORY else None
+                if n == LEVELS[-1]:
+                    self.held.update({replica: 1} if before != replica else {})
+                    self.held.subtract({r: 1 for r in (before, evicted) if r is not None and r != replica})
 
     def _count(self, pending: PendingRequest, replica: ReplicaID) -> None:
         """Count the request against `replica` now (before it is sent), so the requests of
