@@ -12,9 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 from . import catalog, cpu, errors, library
 from .fanout.config import FanoutConfig
@@ -128,8 +131,6 @@ def _generate(args, model, load_ms: float) -> int:
 
 # ---- fanout ----------------------------------------------------------------------------------
 def cmd_fanout(args) -> int:
-    from pathlib import Path
-
     from .fanout import BranchSpec
     from .model import Model
     from .snapshot import Snapshot
@@ -172,8 +173,6 @@ def _fanout_local(args, model, document, specs, snapshot_in, saved: list):
     def keep(snapshot) -> None:
         """The document's snapshot, once prefilled: its size is known now, so a disk too
         full for it is said now, while the branches still run (and the answers come)."""
-        from pathlib import Path
-
         from .snapshot import check_room
         saved.append(snapshot)
         try:
@@ -194,8 +193,6 @@ def _fanout_local(args, model, document, specs, snapshot_in, saved: list):
 def check_writable(path) -> None:
     """Raise OSError now if `path` could not be written later: a folder that cannot be
     made, a read-only or full file system, no permission (a probe file is made and removed)."""
-    import os
-    import tempfile
     if path.is_dir():
         raise IsADirectoryError(21, "is a folder, not a file", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -234,7 +231,6 @@ def emit(text: str) -> None:
 
 def _detach_stdout() -> None:
     """Point fd 1 at /dev/null, so that what stdout still buffers cannot fail again at exit."""
-    import os
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
