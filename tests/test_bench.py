@@ -96,14 +96,15 @@ def test_serve_bench_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_cluster_bench_smoke(tmp_path):
-    """Both scenarios on a tiny configuration: a simulated cluster each, JSON written."""
+    """The fan-out scenario on a tiny configuration (two simulated clusters), JSON written.
+    Its serve scenario (a cluster and two servers, 2 minutes here) is left to
+    tests/test_cluster.py, which routes the same server by prefix: CI's time is short."""
     pytest.importorskip("ray.serve", reason="Ray Serve is not installed (the distributed extra)")
-    proc = subprocess.run([sys.executable, "-m", "swarmkv_ffi.cli", "bench", "cluster", "--docs", "2", "--agents", "2",
+    proc = subprocess.run([sys.executable, "-m", "swarmkv_ffi.cli", "bench", "cluster", "--scenarios", "fanout",
                            "--doc-tokens", "300", "--gen", "2", "--branches", "2", "--actors", "2",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "cluster.json").read_text())
-    assert report["serve"]["prefills_prefix"] == [2]              # each document once, routed by prefix
     assert [row["nodes"] for row in report["fanout"]] == [1, 2]
     assert sorted(e["snapshot_bytes_pulled"] > 0 for e in report["fanout"][1]["per_node"]) == [False, True]
 
