@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from ray.exceptions import RayActorError      # a replica that died, or whose node went
 
 from .app import capped_body, error_body, error_response, sse
 from .engine import Refused
@@ -155,11 +156,6 @@ class Replica:
             engine.close()
 
 
-def replica_gone() -> tuple[type, ...]:
-    import ray
-    return (ray.exceptions.RayActorError,)
-
-
 def ingress(max_body_bytes: int):
     """The ingress deployment: takes any request, reads its body (capped) and hands it to
     a replica, retrying once on another when the first died before answering."""
@@ -185,7 +181,7 @@ def ingress(max_body_bytes: int):
                 stream = self.replicas.remote(forwarded)
                 try:
                     _, status, headers = await stream.__anext__()
-                except replica_gone():
+                except RayActorError:
                     log.warning("serve --ray: a replica died before answering; %s",
                                 "retrying on another" if attempt == 0 else "giving up")
                     continue
@@ -197,28 +193,28 @@ def ingress(max_body_bytes: int):
             try:
                 async for chunk in stream:
                     yield chunk
-            except replica_gone():
+            except RayActorError:
                 if any(k.lower() == "content-type" and "event-stream" in v for k, v in headers):
                     yield sse(error_body(503, "the replica answering this request died", "replica_lost"))
     return Ingress
 
 
-def application(args, keys: dict[str, str], replicas: int, route: str, imbalance: int):
-    """The Serve application `swarmkv serve --ray` runs: the ingress bound to R replicas."""
+def application(args, keys: dict[str, str]):
+    """The Serve application `swarmkv serve --ray` runs: the ingress bound to --replicas
+    replicas, each on --threads CPUs (one by default) and routed as --route says."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from .routing import PrefixRouter
-    router = (RequestRouterConfig(request_router_class=PrefixRouter, request_router_kwargs={"imbalance": imbalance})
-              if route == "prefix" else None)
     from .cli import engine_options
-    args.threads = args.threads or 1            # the CPUs each replica asks Ray for
-    engine = engine_options(args)
+    from .routing import PrefixRouter
+    threads = args.threads or 1                 # the CPUs each replica asks Ray for, and uses
+    engine = {**engine_options(args), "threads": threads}
     app = dict(max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens)
-    options = dict(name="engine", num_replicas=replicas, ray_actor_options={"num_cpus": args.threads},
+    options = dict(name="engine", num_replicas=args.replicas, ray_actor_options={"num_cpus": threads},
                    max_ongoing_requests=args.max_requests, health_check_period_s=2)
-    if router is not None:
-        options["request_router_config"] = router
+    if args.route == "prefix":
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixRouter, request_router_kwargs={"imbalance": args.route_imbalance})
     replica = serve.deployment(**options)(Replica).bind(args.model, args.name or args.model, keys, engine, app)
     return ingress(args.max_body_bytes).bind(replica)
 
@@ -230,8 +226,7 @@ def run(args, keys: dict[str, str]) -> int:
     from ..distributed import connect
     connect(None if args.ray == "local" else args.ray)
     serve.start(http_options={"host": args.host, "port": args.port, "location": "HeadOnly"})
-    serve.run(application(args, keys, args.replicas, args.route, args.route_imbalance),
-              name="swarmkv", route_prefix="/")
+    serve.run(application(args, keys), name="swarmkv", route_prefix="/")
     print(f"swarmkv serve: {args.name or args.model} on Ray Serve, {args.replicas} replicas routed by "
           f"{args.route}, on http://{args.host}:{args.port}/v1", flush=True)
     stop = threading.Event()
