@@ -165,6 +165,7 @@ def run_fanout_ray(model_path: str, document: str, specs, *, address: str | None
     home_ref, snapshot_ref = task.remote(model_path, document, payload, opts)
     _wait(r, [snapshot_ref], timeout, "the prefill task (document snapshot)")
     prefill_ms = ms()  # the snapshot now sits in the object store of the node that made it
+    home = r.get(home_ref)      # now: were that node lost later, Ray would re-run the prefill to say it
 
     actor_cls = _actor_class(resources)
     group, spread = _spread(r, min(n_actors, len(specs)), resources, timeout)
@@ -178,7 +179,7 @@ def run_fanout_ray(model_path: str, document: str, specs, *, address: str | None
     finally:
         from ray.util.placement_group import remove_placement_group
         remove_placement_group(group)
-    return _result(model_path, results, groups_out, prefill_ms, ms(), len(groups), retries, r.get(home_ref))
+    return _result(model_path, results, groups_out, prefill_ms, ms(), len(groups), retries, home)
 
 
 def _answer_all(r, actors: list, groups: list[list[int]], ask, spare, deadline: float, timeout: float):
