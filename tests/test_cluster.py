@@ -159,3 +159,20 @@ def replica_actor(unique_id: str):
         if actor["name"].endswith(unique_id) and "engine" in actor["name"]:
             return ray.get_actor(actor["name"], namespace=actor["namespace"])
     raise AssertionError(f"no replica actor named for {unique_id}")
+
+
+def test_routes_are_kept_apart_by_key_unless_keys_share_prefixes():
+    """Which replica answers must not tell one key what another asked: the text the router
+    matches starts with the caller's key's digest, unless --share-prefixes."""
+    import json as jsonlib
+
+    from swarmkv_ffi.serve.on_ray import Forwarded
+    body = jsonlib.dumps({"messages": [{"role": "system", "content": over("shared")}]}).encode()
+
+    def route(key: str, shared: bool) -> str:
+        return Forwarded.of("POST", "/v1/chat/completions", b"", [("Authorization", f"Bearer {key}")], body,
+                            shared).prompt
+    assert route("key-a-0123456789", False) != route("key-b-0123456789", False)
+    assert route("key-a-0123456789", False) == route("key-a-0123456789", False)
+    assert route("key-a-0123456789", True) == route("key-b-0123456789", True)
+    assert route("key-a-0123456789", False).endswith(over("shared"))

@@ -18,6 +18,7 @@ is the single server's own code, so the two answer alike.
 """
 
 import asyncio
+import hashlib
 import json
 import logging
 import signal
@@ -48,8 +49,16 @@ class Forwarded:
     prompt: str = ""
 
     @classmethod
-    def of(cls, method: str, path: str, query: bytes, headers, body: bytes) -> "Forwarded":
-        return cls(method, path, query, list(headers), body, routing_text(path, body))
+    def of(cls, method: str, path: str, query: bytes, headers, body: bytes, shared: bool = False) -> "Forwarded":
+        """`shared` (--share-prefixes): keys may share cells, so they share routes too;
+        otherwise the route is keyed by the caller's key, so which replica answers never
+        tells one key what another asked (the pools keep keys apart the same way)."""
+        headers = list(headers)
+        text = routing_text(path, body)
+        if not shared:
+            key = next((v for k, v in headers if k.lower() == "authorization"), "")
+            text = hashlib.blake2b(key.encode(), digest_size=8).hexdigest() + "\n" + text
+        return cls(method, path, query, headers, body, text)
 
 
 def routing_text(path: str, body: bytes) -> str:
@@ -156,7 +165,7 @@ class Replica:
             engine.close()
 
 
-def ingress(max_body_bytes: int):
+def ingress(max_body_bytes: int, shared: bool):
     """The ingress deployment: takes any request, reads its body (capped) and hands it to
     a replica, retrying once on another when the first died before answering."""
     from ray import serve
@@ -176,7 +185,7 @@ def ingress(max_body_bytes: int):
             except Refused as exc:
                 return error_response(exc.status, str(exc), exc.code)
             forwarded = Forwarded.of(request.method, request.url.path, request.url.query.encode(),
-                                     request.headers.items(), body)
+                                     request.headers.items(), body, shared)
             for attempt in range(2):
                 stream = self.replicas.remote(forwarded)
                 try:
@@ -216,7 +225,7 @@ def application(args, keys: dict[str, str]):
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=PrefixRouter, request_router_kwargs={"imbalance": args.route_imbalance})
     replica = serve.deployment(**options)(Replica).bind(args.model, args.name or args.model, keys, engine, app)
-    return ingress(args.max_body_bytes).bind(replica)
+    return ingress(args.max_body_bytes, args.share_prefixes).bind(replica)
 
 
 def run(args, keys: dict[str, str]) -> int:
