@@ -17,7 +17,7 @@ LLAMA_COMMIT=0c1e570          # vendor/llama.cpp inside that sdist (2026-10-01)
 usage() {
     cat <<USAGE
 usage: $0 [--portable|--baseline] [--amx] [--cuda] [--cuda-arch ARCHS] [--prefix DIR] [--tools]
-       [--tools-min] [--source-archive FILE] [--jobs N] [--force]
+       [--tools-min] [--source-archive FILE] [--jobs N] [--force] [--no-calibrate]
 
 Builds libllama (llama.cpp ${LLAMA_COMMIT}, from ${SDIST_NAME}==${SDIST_VERSION}) into ./libllama/,
 proves it with one real decode in a child process, then writes libllama/manifest.json.
@@ -56,9 +56,15 @@ refuses to load it on a CPU that lacks one (instead of dying with SIGILL).
                      without network; it must name this pin's sdist sha256
   --jobs N           parallel compile jobs (default: nproc)
   --force            rebuild even if the installed manifest matches
+  --no-calibrate     do not time the attention kernels after the build (about half a
+                     minute on 2 cores): the fast mode then chooses between ggml's
+                     kernels and ours by the rule built into kernels/ggml/0003, measured
+                     on one CPU. \`swarmkv calibrate\` calibrates later; a build that
+                     is already up to date is not re-calibrated
   -h, --help         this text
 
-Environment: SWARMKV_CACHE (cache folder), CMAKE (cmake binary).
+Environment: SWARMKV_CACHE (cache folder), CMAKE (cmake binary), SWARMKV_NO_CALIBRATE=1
+(as --no-calibrate).
 USAGE
 }
 
@@ -66,12 +72,14 @@ die() { echo "build_llama.sh: error: $*" >&2; exit 1; }
 say() { echo "build_llama.sh: $*" >&2; }
 
 backend=cpu; cuda_arch=""; jobs=$(nproc 2>/dev/null || echo 2); force=0
+calibrate=1; [ "${SWARMKV_NO_CALIBRATE:-}" = 1 ] && calibrate=0
 target=native; amx=0; prefix_arg=""; tools=0; archive=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --portable) target=portable ;;
         --baseline) target=baseline ;;
         --tools) tools=1 ;;
+        --no-calibrate) calibrate=0 ;;
         --tools-min) tools=min ;;
         --amx) amx=1 ;;
         --cuda) backend=cuda ;;
@@ -307,6 +315,11 @@ find "$build/bin" "$build/src" "$build/ggml/src" -maxdepth 3 -name '*.so*' -exec
 cp "$src/include/llama.h" "$stage/include/"
 cp "$src"/ggml/include/*.h "$stage/include/"
 [ -f "$stage/lib/libllama.so" ] || die "build finished but libllama.so was not found under $build"
+# The kernel calibrator (tools/fa_calibrate.c), installed with the library it measures.
+mkdir -p "$stage/bin"
+"$cc_bin" -O2 -o "$stage/bin/fa_calibrate" "$root/tools/fa_calibrate.c" -I"$stage/include" -L"$stage/lib" \
+    -lggml-cpu -lggml-base -lggml -lm -Wl,-rpath,'$ORIGIN/../lib' 2>"$cache/fa_calibrate-$key.log" \
+    || { cat "$cache/fa_calibrate-$key.log" >&2; die "could not compile tools/fa_calibrate.c against the new build"; }
 
 # ---- prove it ------------------------------------------------------------------------
 if [ $amx = 0 ] && command -v objdump >/dev/null; then
@@ -347,5 +360,12 @@ cat >"$manifest" <<JSON
 }
 JSON
 say "installed into $prefix ($target CPU build; needs: ${cpu_features:-nothing beyond the base ISA})"
+# Which attention kernel the fast mode takes, measured on this CPU (a failure keeps the
+# built-in rule; the build stands).
+if [ $calibrate = 1 ] && [ "$backend" = cpu ]; then
+    say "calibrating the attention kernel choice on this CPU (skip with --no-calibrate)"
+    "$py" "$root/swarmkv_ffi/calibration.py" "$prefix" \
+        || say "warning: calibration failed; the fast mode keeps the built-in kernel rule (swarmkv calibrate retries)"
+fi
 [ $tools != 0 ] && build_tools
 echo "$prefix/lib/libllama.so"

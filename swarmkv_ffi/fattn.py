@@ -76,6 +76,7 @@ _TYPES = library.enum("ggml_type")
 def _load():
     global _lib
     if _lib is None:
+        library.lib()   # checked, and the calibrated kernel rule applied, as for a model
         lib = _ffi.dlopen(str(library.find_library()))
         if not hasattr(lib, "ggml_cpu_set_fa_shared"):
             raise RuntimeError("this libllama predates kernels/ggml/0003 (no ggml_cpu_set_fa_shared); "

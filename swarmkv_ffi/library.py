@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cffi import FFI
 
-from . import _cdef, cpu
+from . import _cdef, calibration, cpu
 from .errors import CpuMismatchError, LibraryNotFoundError, PinMismatchError
 
 log = logging.getLogger("swarmkv_ffi.llama")
@@ -225,6 +225,7 @@ def lib():
             _log_callback = ffi.callback("ggml_log_callback", _on_llama_log)
             handle.llama_log_set(_log_callback, ffi.NULL)
             _lib_path, _manifest = path, read_manifest(path) or {}
+            calibration.apply(_manifest)   # this CPU's kernel rule, if the build was calibrated here
             _lib = handle
     return _lib
 
@@ -243,8 +244,10 @@ def build_info() -> dict:
     m = manifest()
     keys = ("llama_cpp_commit", "backend", "cuda_arch", "cpu_target", "cpu_features", "patch_set", "patches",
             "build_flags", "built_at")
+    rule = calibration.status()
     return {"library": str(library_path()), **{k: m.get(k) for k in keys}, "ggml_system_info": system_info().strip(),
-            "devices": [d["name"] for d in devices()]}
+            "devices": [d["name"] for d in devices()],
+            "fa_shared_rule": {"source": rule["source"], "rule": rule["rule"]}}
 
 
 def library_path() -> Path:

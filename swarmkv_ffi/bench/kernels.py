@@ -2,17 +2,24 @@
 
 `./build_llama.sh --tools` builds llama-batched-bench twice from the same pin and flags:
 PREFIX/tools-stock/ from the pristine sources, PREFIX/tools/ with kernels/ggml/*.patch
-applied. This runs both on the same model, the same threads, in one process run,
-alternating stock and patched on each repeat, and reports the medians and their ratio:
+applied. This runs them on the same model, the same threads, in one process run,
+alternating the variants on each repeat, and reports the medians:
+
+  stock       the pristine build: ggml's kernels
+  ours        the patched build with GGML_FA_SHARED=on: the shared-prefix kernel wherever
+              it applies
+  builtin     the patched build's default mode with the rule built into the patch
+  calibrated  the patched build's default mode with this CPU's calibration (the table in
+              the build's manifest, handed over as GGML_FA_SHARED_RULE; `swarmkv calibrate`)
 
   llama-batched-bench -npp P -ntg G -npl N -pps -kvu -fa on -b 2048 -ub 512
 
 -pps prefills the prompt once and shares it among the N sequences in one unified KV
 cache: the fan-out's workload (S_TG is decode tokens/s over all N sequences, S_PP the
-prefill). --op also times the flash-attention op alone (swarmkv_ffi.fattn) for the same
-shapes: stock kernels vs the shared-prefix kernel, on random data.
+prefill). "vs best" is the calibrated default over the faster of stock and ours. --op
+also times the flash-attention op alone (swarmkv_ffi.fattn) for the same shapes.
 
-    swarmkv bench kernels --npp 128,1600,3500 --npl 1,4,16 --out bench/results/latest/kernels.json
+    swarmkv bench kernels --npp 1600,3500 --npl 1,4,16 --out bench/results/latest/kernels.json
 """
 from __future__ import annotations
 
@@ -22,12 +29,15 @@ import statistics
 import sys
 from pathlib import Path
 
-from .. import library
+from .. import calibration, library
 from ..catalog import DEFAULT_MODEL, resolve
 from .measure import report_json, settings_of
 from .tools import run_json_lines
 
-BUILDS = ("stock", "patched")
+VARIANTS = ("stock", "ours", "builtin", "calibrated")
+#: variant -> (tools build, environment for the kernel choice)
+_RUNS = {"stock": ("stock", {}), "ours": ("patched", {"GGML_FA_SHARED": "on"}),
+         "builtin": ("patched", {}), "calibrated": ("patched", None)}
 
 
 def ints(text: str) -> list[int]:
@@ -40,8 +50,36 @@ def ints(text: str) -> list[int]:
     return values
 
 
-def batched_bench(build: str, model: Path, args) -> list[dict]:
-    exe = library.tool_path("llama-batched-bench", build=build)
+def names(text: str) -> list[str]:
+    chosen = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"variants are {', '.join(VARIANTS)}; got {text!r}")
+    return [v for v in VARIANTS if v in chosen]
+
+
+def calibrated_rule() -> dict:
+    """The manifest's calibration, if it was measured on this CPU (else SystemExit)."""
+    entry = library.manifest().get(calibration.KEY)
+    if not entry:
+        raise SystemExit("the build has no calibration: run `swarmkv calibrate`, or leave out the "
+                         "calibrated variant (--variants stock,ours,builtin)")
+    if not calibration.same_cpu(entry.get("cpu", {}), calibration.cpu_identity()):
+        raise SystemExit("the build's calibration was measured on another CPU: run `swarmkv calibrate` here")
+    return entry
+
+
+def variant_env(variant: str, rule: list[int] | None) -> dict:
+    """The environment of one variant's run: ours, never the caller's kernel overrides."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GGML_FA_SHARED", calibration.ENV_RULE)}
+    extra = _RUNS[variant][1]
+    if extra is None:
+        extra = {calibration.ENV_RULE: ",".join(map(str, rule))}
+    return {**env, **extra}
+
+
+def batched_bench(variant: str, model: Path, args, rule: list[int] | None) -> list[dict]:
+    exe = library.tool_path("llama-batched-bench", build=_RUNS[variant][0])
     if not exe.exists():
         raise SystemExit(f"{exe} not found: build both sets of tools with ./build_llama.sh --tools")
     n_ctx = max(args.npp) + max(args.npl) * (args.ntg + 8) + 64
@@ -49,22 +87,27 @@ def batched_bench(build: str, model: Path, args) -> list[dict]:
                            "-npp", ",".join(map(str, args.npp)), "-ntg", str(args.ntg),
                            "-npl", ",".join(map(str, args.npl)), "-pps", "-kvu", "-fa", "on",
                            "-ctk", args.kv_type, "-ctv", args.kv_type, "-t", str(args.threads),
-                           "--output-format", "jsonl"])
+                           "--output-format", "jsonl"], env=variant_env(variant, rule))
 
 
 def table(runs: dict[str, list[list[dict]]], args) -> list[dict]:
-    """One row per (npp, npl): medians of S_TG and S_PP per build, and patched/stock."""
+    """One row per (npp, npl): medians of S_TG and S_PP per variant; the calibrated
+    default (or the built-in one) over the faster of stock and ours."""
     rows = []
     for npp in args.npp:
         for npl in args.npl:
             row = {"npp": npp, "npl": npl}
-            for build in BUILDS:
-                hits = [[r for r in run if r["pp"] == npp and r["pl"] == npl][0] for run in runs[build]]
-                row[f"{build}_tg_tps"] = statistics.median(r["speed_tg"] for r in hits)
-                row[f"{build}_pp_tps"] = statistics.median(r["speed_pp"] for r in hits)
-                row[f"{build}_tg_runs"] = [r["speed_tg"] for r in hits]
-            row["tg_ratio"] = row["patched_tg_tps"] / row["stock_tg_tps"]
-            row["pp_ratio"] = row["patched_pp_tps"] / row["stock_pp_tps"]
+            for variant in args.variants:
+                hits = [[r for r in run if r["pp"] == npp and r["pl"] == npl][0] for run in runs[variant]]
+                row[f"{variant}_tg_tps"] = statistics.median(r["speed_tg"] for r in hits)
+                row[f"{variant}_pp_tps"] = statistics.median(r["speed_pp"] for r in hits)
+                row[f"{variant}_tg_runs"] = [r["speed_tg"] for r in hits]
+                row[f"{variant}_pp_runs"] = [r["speed_pp"] for r in hits]
+            chosen = next((v for v in ("calibrated", "builtin") if v in args.variants), None)
+            if chosen and {"stock", "ours"} <= set(args.variants):
+                for phase in ("tg", "pp"):
+                    best = max(row[f"stock_{phase}_tps"], row[f"ours_{phase}_tps"])
+                    row[f"{chosen}_{phase}_vs_best"] = row[f"{chosen}_{phase}_tps"] / best
             rows.append(row)
     return rows
 
@@ -99,13 +142,15 @@ def op_timings(args, model: Path) -> list[dict]:
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
-    print(f"{'npp':>6} {'N':>3} | {'S_TG stock':>10} {'patched':>9} {'ratio':>6} | "
-          f"{'S_PP stock':>10} {'patched':>9} {'ratio':>6}", file=sys.stderr)
-    for r in rows:
-        print(f"{r['npp']:>6} {r['npl']:>3} | {r['stock_tg_tps']:>10.1f} {r['patched_tg_tps']:>9.1f} "
-              f"{r['tg_ratio']:>5.2f}x | {r['stock_pp_tps']:>10.1f} {r['patched_pp_tps']:>9.1f} "
-              f"{r['pp_ratio']:>5.2f}x", file=sys.stderr)
+def print_table(rows: list[dict], variants: list[str]) -> None:
+    for phase, title in (("tg", "S_TG (decode t/s)"), ("pp", "S_PP (prefill t/s)")):
+        print(f"{title}:", file=sys.stderr)
+        print(f"{'npp':>6} {'N':>3} | " + " ".join(f"{v:>10}" for v in variants) + f" | {'vs best':>7}",
+              file=sys.stderr)
+        for r in rows:
+            ratio = next((r[k] for k in (f"calibrated_{phase}_vs_best", f"builtin_{phase}_vs_best") if k in r), None)
+            print(f"{r['npp']:>6} {r['npl']:>3} | " + " ".join(f"{r[f'{v}_{phase}_tps']:>10.1f}" for v in variants)
+                  + (f" | {ratio:>6.3f}x" if ratio is not None else ""), file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -117,25 +162,34 @@ def main(argv=None) -> int:
     ap.add_argument("--ntg", type=int, default=32, help="tokens generated per sequence (default 32)")
     ap.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"], help="KV cache type (default f16)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--repeats", type=int, default=3, help="runs of each build; medians reported (default 3)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each variant; medians reported (default 3)")
+    ap.add_argument("--variants", type=names, default=list(VARIANTS),
+                    help=f"which of {','.join(VARIANTS)} to run (default: all)")
     ap.add_argument("--op", action="store_true", help="also time the flash-attention op alone")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.ntg < 1:
         ap.error("--repeats and --ntg must be >= 1")
     model = resolve(args.model)
-    runs: dict[str, list[list[dict]]] = {b: [] for b in BUILDS}
+    for variant in args.variants:   # every tool present before the first long run
+        exe = library.tool_path("llama-batched-bench", build=_RUNS[variant][0])
+        if not exe.exists():
+            raise SystemExit(f"{exe} not found: build both sets of tools with ./build_llama.sh --tools")
+    entry = calibrated_rule() if "calibrated" in args.variants else None
+    rule = entry["rule"] if entry else None
+    runs: dict[str, list[list[dict]]] = {v: [] for v in args.variants}
     for r in range(args.repeats):
-        for build in BUILDS:
-            print(f"repeat {r + 1}/{args.repeats}: {build}", file=sys.stderr, flush=True)
-            runs[build].append(batched_bench(build, model, args))
+        for variant in args.variants:
+            print(f"repeat {r + 1}/{args.repeats}: {variant}", file=sys.stderr, flush=True)
+            runs[variant].append(batched_bench(variant, model, args, rule))
     rows = table(runs, args)
-    print_table(rows)
+    print_table(rows, args.variants)
     settings = {**settings_of(args), "llama_batched_bench": {
         "kv_type": args.kv_type, "flash_attn": "on", "n_batch": 2048, "n_ubatch": 512, "threads": args.threads,
         "pps": True, "kv_unified": True}}
     report = {
         "benchmark": "kernels", "model": model.name,
+        "calibration": None if entry is None else {k: entry[k] for k in ("rule", "cpu", "threads", "calibrated_at")},
         "rows": rows,
         "raw": runs,
     }

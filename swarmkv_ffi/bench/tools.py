@@ -46,9 +46,9 @@ def tool(name: str) -> Path:
     return path
 
 
-def run_json_lines(cmd: list[str]) -> list[dict]:
+def run_json_lines(cmd: list[str], env: dict | None = None) -> list[dict]:
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     if out.returncode != 0:
         raise SystemExit(f"{cmd[0]} failed ({out.returncode}): {out.stderr[-2000:]}")
     rows = []  # llama-bench prints its rows on stdout, llama-batched-bench through its log (stderr)

@@ -1,0 +1,257 @@
+"""The fast mode's choice of attention kernel, calibrated on the machine that runs it.
+
+kernels/ggml/0003 picks, for each flash-attention op of the default (fast) mode, either
+ggml's stock kernels or our shared-prefix kernel by a rule table: the fewest KV cells
+from which ours wins, per head size, KV type and number of query tokens. The table built
+into the patch was measured on one CPU; which kernel wins moves with the instruction set
+(an AVX-512 EPYC lost 5-11 % at one branch with it). So:
+
+  calibrate   tools/fa_calibrate.c (built into PREFIX/bin by build_llama.sh) times both
+              kernels at the deciding shapes (well under a minute on 2 cores) and prints
+              the table; `record()` writes it, with the measurements and the CPU it was
+              measured on, into the build's manifest.json ("fa_shared_rule").
+  load        `apply()` (on the first load of the library) hands that table to ggml, if
+              it was measured on this CPU; otherwise the built-in rule stays. An explicit
+              GGML_FA_SHARED_RULE in the environment wins over both.
+
+Exact mode is untouched: it always runs the batch-invariant kernel. The choice changes
+speed only, within what the fast mode already allows (its kernels round differently).
+
+This file also runs as a script with nothing but the standard library, which is how
+build_llama.sh records a calibration before the package is installed:
+
+    python3 swarmkv_ffi/calibration.py PREFIX [--threads N] [--repeat R]
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+RULE_LEN = 48
+HEADS = ("<=64", "<=128", "<=256", ">256")
+KV_TYPES = ("float", "quantized")
+TOKENS = ("1", "2-3", "4-15", "16-63", "64-511", ">=512")
+ENV_RULE = "GGML_FA_SHARED_RULE"
+KEY = "fa_shared_rule"            # the manifest's key
+SOURCES = {0: "built-in", 1: "environment", 2: "calibrated"}
+
+
+class CalibrationError(RuntimeError):
+    """The calibration could not run or its result could not be recorded."""
+
+
+# ---- the CPU a calibration belongs to ---------------------------------------------------
+
+def cpu_identity() -> dict:
+    """What makes two CPUs the same for a kernel race: vendor, family, model, stepping and
+    the instruction sets the kernel may use. A VM's model name alone ("AMD EPYC") names
+    both a Zen 3 and a Zen 5, so it is not enough."""
+    fields: dict[str, str] = {}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        name = name.strip()
+        if name in ("vendor_id", "cpu family", "model", "stepping", "model name", "flags", "Features",
+                    "CPU implementer", "CPU part") and name not in fields:
+            fields[name] = value.strip()
+    flags = sorted((fields.get("flags") or fields.get("Features") or "").split())
+    import platform
+    return {
+        "model_name": fields.get("model name", platform.processor() or platform.machine()),
+        "id": "/".join(fields.get(k, "") for k in ("vendor_id", "cpu family", "model", "stepping",
+                                                   "CPU implementer", "CPU part")),
+        "flags_sha256": hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16],
+        "cpus": os.cpu_count() or 1,
+    }
+
+
+def same_cpu(a: dict, b: dict) -> bool:
+    return all(a.get(k) == b.get(k) for k in ("model_name", "id", "flags_sha256"))
+
+
+# ---- running and recording a calibration ------------------------------------------------
+
+def calibrator(prefix: Path) -> Path:
+    return Path(prefix) / "bin" / "fa_calibrate"
+
+
+def measure(prefix: Path, threads: int | None = None, repeat: int = 3, max_cells: int | None = None) -> dict:
+    """Run PREFIX/bin/fa_calibrate; its JSON (rule, measured, seconds, threads). Progress
+    goes to our stderr as it runs."""
+    exe = calibrator(prefix)
+    if not exe.exists():
+        raise CalibrationError(f"{exe} not found: this build predates calibration; rebuild with ./build_llama.sh")
+    cmd = [str(exe), "--repeat", str(repeat)] + (["--threads", str(threads)] if threads else []) \
+        + (["--max-cells", str(max_cells)] if max_cells else [])
+    env = {k: v for k, v in os.environ.items() if k not in (ENV_RULE, "GGML_FA_SHARED")}
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
+    if proc.returncode != 0:
+        raise CalibrationError(f"{exe.name} failed (exit {proc.returncode})")
+    try:
+        result = json.loads(proc.stdout)
+    except json.JSONDecodeError as exc:
+        raise CalibrationError(f"{exe.name} printed no valid JSON: {exc}") from None
+    check_rule(result.get("rule"))
+    return result
+
+
+def check_rule(rule) -> list[int]:
+    if not (isinstance(rule, list) and len(rule) == RULE_LEN
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in rule)):
+        raise CalibrationError(f"a rule is {RULE_LEN} integers >= -1, got {rule!r:.80}")
+    return rule
+
+
+def record(prefix: Path, result: dict) -> dict:
+    """Write a calibration into PREFIX/manifest.json (atomically), with the CPU and the
+    time it was measured; returns the entry."""
+    path = Path(prefix) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CalibrationError(f"cannot read {path}: {exc}") from None
+    entry = {
+        "rule": check_rule(result["rule"]),
+        "cpu": cpu_identity(),
+        "threads": result.get("threads"),
+        "max_cells": result.get("max_cells"),
+        "seconds": result.get("seconds"),
+        "calibrated_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "measured": result.get("measured", []),
+    }
+    manifest[KEY] = entry
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise CalibrationError(f"cannot write {path}: {exc.strerror or exc}") from None
+    return entry
+
+
+def forget(prefix: Path) -> bool:
+    """Remove a recorded calibration (back to the built-in rule); whether there was one."""
+    path = Path(prefix) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    if manifest.pop(KEY, None) is None:
+        return False
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, path)
+    return True
+
+
+# ---- applying it at load ------------------------------------------------------------------
+
+_CDEF = """
+bool ggml_cpu_set_fa_shared_rule(const int32_t * min_cells, int n);
+int  ggml_cpu_get_fa_shared_rule(int32_t * min_cells, int n);
+"""
+_state: dict = {}                 # what apply() decided, for `swarmkv info`
+_apply_lock = threading.Lock()
+_ffi = None
+_handle = None
+
+
+def _rule_functions():
+    """The patch's two rule functions (None for a library built before them)."""
+    global _ffi, _handle
+    if _handle is None:
+        from cffi import FFI
+
+        from . import library
+        _ffi = FFI()
+        _ffi.cdef(_CDEF)
+        _handle = _ffi.dlopen(str(library.find_library()))
+    return _handle if hasattr(_handle, "ggml_cpu_set_fa_shared_rule") else None
+
+
+def apply(manifest: dict) -> dict:
+    """Hand the manifest's calibration to ggml when it was measured on this CPU and the
+    environment does not set a rule. Once per process; returns the decision."""
+    with _apply_lock:
+        if _state:
+            return _state
+        entry = manifest.get(KEY)
+        fns = _rule_functions()
+        if fns is None:
+            _state.update(source="built-in", note="this libllama has no rule table (built before calibration)")
+            return _state
+        if os.environ.get(ENV_RULE):
+            _state.update(note=f"{ENV_RULE} is set in the environment")
+        elif not entry:
+            _state.update(note="no calibration in the build's manifest (swarmkv calibrate makes one)")
+        elif not same_cpu(entry.get("cpu", {}), cpu_identity()):
+            was = entry.get("cpu", {})
+            _state.update(note=f"the manifest's calibration was measured on another CPU "
+                               f"({was.get('model_name')} {was.get('id')}); run swarmkv calibrate here")
+        else:
+            rule = _ffi.new("int32_t[]", check_rule(entry["rule"]))
+            if not fns.ggml_cpu_set_fa_shared_rule(rule, RULE_LEN):
+                raise CalibrationError("libllama refused the manifest's rule table")
+            _state.update(note=f"measured {entry.get('calibrated_at')} with {entry.get('threads')} threads "
+                               f"in {entry.get('seconds')} s")
+        _state.update(in_force())
+        return _state
+
+
+def in_force() -> dict:
+    """The rule table ggml uses now and where it came from."""
+    fns = _rule_functions()
+    if fns is None:
+        return {"source": "built-in", "rule": None}
+    out = _ffi.new("int32_t[]", RULE_LEN)
+    source = fns.ggml_cpu_get_fa_shared_rule(out, RULE_LEN)
+    return {"source": SOURCES.get(source, str(source)), "rule": list(out)}
+
+
+def status() -> dict:
+    """apply()'s decision (loading the library if needed) plus the table in force."""
+    from . import library
+    library.lib()
+    return {**_state, **in_force()}
+
+
+def table(rule: list[int]) -> str:
+    """The rule as text: one line per head size and KV type, one column per token bucket."""
+    def cell(x: int) -> str:
+        return "never" if x < 0 else "always" if x == 0 else f">={x}"
+    lines = [f"{'head':>6} {'kv':>9} | " + " ".join(f"{t + ' tok':>10}" for t in TOKENS)]
+    for h, head in enumerate(HEADS):
+        for t, kv in enumerate(KV_TYPES):
+            row = rule[(h * len(KV_TYPES) + t) * len(TOKENS):][:len(TOKENS)]
+            lines.append(f"{head:>6} {kv:>9} | " + " ".join(f"{cell(x):>10}" for x in row))
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """build_llama.sh's entry: measure with PREFIX/bin/fa_calibrate and record it."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="calibration.py", description="calibrate and record the kernel rule")
+    ap.add_argument("prefix", type=Path)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args(argv)
+    try:
+        entry = record(args.prefix, measure(args.prefix, args.threads, args.repeat))
+    except CalibrationError as exc:
+        print(f"calibration: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"calibration: recorded in {args.prefix / 'manifest.json'} ({entry['seconds']} s, "
+          f"{entry['threads']} threads); the shared-prefix kernel is used from these cells:", file=sys.stderr)
+    print(table(entry["rule"]), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

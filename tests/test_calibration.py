@@ -1,0 +1,199 @@
+"""The fast mode's kernel rule (kernels/ggml/0003) and its calibration on this CPU.
+
+The rule is a table the patch looks up per op (head size, KV type, query tokens -> the
+fewest cells from which the shared-prefix kernel runs). These tests set tables and watch
+which kernel computed an op: the two kernels round differently, so the output of the
+default mode equals, bit for bit, that of the kernel the table chose. Then the whole
+path: `swarmkv calibrate` measures, records in the manifest, and a fresh process on this
+CPU follows it; a calibration from another CPU is ignored; the environment wins.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from swarmkv_ffi import calibration, fattn, library
+
+NEVER, ALWAYS = -1, 0
+HEAD_CLASS = {64: 0, 128: 1, 256: 2, 512: 3}
+BUCKET = {1: 0, 2: 1, 4: 2, 16: 3, 64: 4, 512: 5}
+KV_CLASS = {"GGML_TYPE_F16": 0, "GGML_TYPE_Q8_0": 1}
+
+
+def index(head: int, kv_type: str, tokens: int) -> int:
+    return (HEAD_CLASS[head] * 2 + KV_CLASS[kv_type]) * 6 + BUCKET[tokens]
+
+
+@pytest.fixture
+def rule_table():
+    """Set a table for the test; the library's own (calibrated or built-in) after it."""
+    fns = calibration._rule_functions()
+    ffi = calibration._ffi
+    saved = calibration.in_force()["rule"]
+
+    def set_rule(rule):
+        return bool(fns.ggml_cpu_set_fa_shared_rule(ffi.new("int32_t[]", rule), len(rule)))
+    yield set_rule
+    assert set_rule(saved)
+
+
+def op(head, kv_type, tokens, cells, seed=0):
+    rng = np.random.default_rng(seed)
+    n_head, n_kv_head = (4, 1) if head >= 256 else (6, 2)
+    q = rng.standard_normal((1, n_head, tokens, head), dtype=np.float32)
+    k = rng.standard_normal((1, n_kv_head, cells, head), dtype=np.float32)
+    v = rng.standard_normal((1, n_kv_head, cells, head), dtype=np.float32)
+    mask = np.zeros((1, tokens, cells), np.float32)
+    mask[0, :, cells - tokens:] = -np.inf
+    mask[0, np.arange(tokens), cells - tokens + np.arange(tokens)] = 0.0
+    return (q, k, v, mask), {"scale": head ** -0.5, "kv_type": kv_type, "n_threads": 2}
+
+
+def run(kernel, shape):
+    arrays, kw = shape
+    return fattn.flash_attn(*arrays, kernel=kernel, **kw)
+
+
+SHAPES = [(64, "GGML_TYPE_F16", 1, 512), (64, "GGML_TYPE_Q8_0", 16, 256), (128, "GGML_TYPE_F16", 4, 384),
+          (256, "GGML_TYPE_F16", 64, 640), (256, "GGML_TYPE_Q8_0", 2, 256), (512, "GGML_TYPE_F16", 512, 768)]
+
+
+@pytest.mark.parametrize("head,kv_type,tokens,cells", SHAPES)
+def test_the_table_entry_of_an_ops_shape_decides_its_kernel(rule_table, head, kv_type, tokens, cells):
+    shape = op(head, kv_type, tokens, cells)
+    stock, shared = run("stock", shape), run("shared", shape)
+    assert not np.array_equal(stock, shared), "the two kernels must round apart for this test to see anything"
+    only_here = [NEVER] * calibration.RULE_LEN
+    only_here[index(head, kv_type, tokens)] = ALWAYS
+    assert rule_table(only_here)
+    assert np.array_equal(run("auto", shape), shared)
+    everywhere_else = [ALWAYS] * calibration.RULE_LEN
+    everywhere_else[index(head, kv_type, tokens)] = NEVER
+    assert rule_table(everywhere_else)
+    assert np.array_equal(run("auto", shape), stock)
+    threshold = [NEVER] * calibration.RULE_LEN         # from `cells` on: here, not one cell before
+    threshold[index(head, kv_type, tokens)] = cells
+    assert rule_table(threshold)
+    assert np.array_equal(run("auto", shape), shared)
+    threshold[index(head, kv_type, tokens)] = cells + 1
+    assert rule_table(threshold)
+    assert np.array_equal(run("auto", shape), stock)
+
+
+@pytest.mark.fidelity
+def test_exact_mode_takes_the_batch_invariant_kernel_whatever_the_table(rule_table):
+    shape = op(64, "GGML_TYPE_F16", 16, 512)
+    assert rule_table([NEVER] * calibration.RULE_LEN)
+    assert np.array_equal(run("exact", shape), run("shared", shape))
+
+
+def test_the_library_refuses_a_malformed_table(rule_table):
+    before = calibration.in_force()
+    assert not rule_table([0] * (calibration.RULE_LEN - 1))
+    assert not rule_table([0] * (calibration.RULE_LEN - 1) + [-2])
+    assert calibration.in_force() == before
+
+
+def _in_child(code: str, env: dict) -> dict:
+    """Run `code` (which prints JSON) in a fresh interpreter: the rule is process-wide."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+STATUS = "import json; from swarmkv_ffi import calibration; print(json.dumps(calibration.status()))"
+
+
+def test_the_environment_sets_the_table_and_a_malformed_one_is_ignored():
+    env = {k: v for k, v in os.environ.items() if k != calibration.ENV_RULE}
+    rule = [(i * 37) % 600 - 1 for i in range(calibration.RULE_LEN)]
+    got = _in_child(STATUS, {**env, calibration.ENV_RULE: ",".join(map(str, rule))})
+    assert got["source"] == "environment" and got["rule"] == rule
+    for bad in ("1,2,3", ",".join(["0"] * 47 + ["-5"]), ",".join(["0"] * 48) + ",7", "x" * 10):
+        got = _in_child(STATUS, {**env, calibration.ENV_RULE: bad})
+        assert got["source"] == "built-in", bad
+
+
+def expected_rule(measured: list[dict], built_in: list[int]) -> list[int]:
+    """The calibrator's decision, restated: per (head, kv, tokens), the fewest measured
+    cells from which shared was faster at that size and every larger one; 0 when that is
+    the smallest size measured (one token keeps its floor of 128 cells); -1 when it lost
+    at the largest. Head sizes above 256 keep the built-in entries."""
+    rule = list(built_in)
+    groups: dict = {}
+    for m in measured:
+        groups.setdefault((m["head"], m["kv"], m["tokens"]), []).append(m)
+    for (head, kv, tokens), rows in groups.items():
+        rows.sort(key=lambda m: m["cells"])
+        won = [m["shared_us"] < m["stock_us"] for m in rows]
+        value = NEVER
+        for i in range(len(rows) - 1, -1, -1):
+            if not won[i]:
+                break
+            value = rows[i]["cells"]
+        if value == rows[0]["cells"] and tokens > 1:
+            value = ALWAYS
+        rule[index(head, {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0"}[kv], tokens)] = value
+    return rule
+
+
+@pytest.mark.slow
+def test_calibrate_records_a_rule_this_cpu_follows_and_another_cpu_ignores(tmp_path):
+    root = library.install_root(library.find_library())
+    if not calibration.calibrator(root).exists():
+        pytest.skip("this libllama was built before calibration (no bin/fa_calibrate): ./build_llama.sh")
+    copy = tmp_path / "libllama"
+    for part in ("lib", "include", "bin"):
+        shutil.copytree(root / part, copy / part, symlinks=True)
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest.pop(calibration.KEY, None)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    env = {k: v for k, v in os.environ.items() if k not in (calibration.ENV_RULE, "GGML_FA_SHARED")}
+    env["SWARMKV_LIBLLAMA"] = str(copy / "lib")
+    cli = [sys.executable, "-m", "swarmkv_ffi.cli"]
+
+    uncalibrated = _in_child(STATUS, env)
+    assert uncalibrated["source"] == "built-in" and "no calibration" in uncalibrated["note"]
+
+    proc = subprocess.run(cli + ["calibrate", "--repeat", "1", "--max-cells", "2048"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    entry = json.loads((copy / "manifest.json").read_text())[calibration.KEY]
+    assert "recorded in" in proc.stdout and calibration.table(entry["rule"]) in proc.stdout
+    assert len(entry["measured"]) == 3 * 2 * (5 * 3 + 2)      # heads x kv x (tokens, tokens <= cells <= 2048)
+    assert entry["rule"] == expected_rule(entry["measured"], uncalibrated["rule"])
+    assert entry["cpu"] == calibration.cpu_identity() and entry["threads"] == os.cpu_count()
+
+    follows = _in_child(STATUS, env)
+    assert follows["source"] == "calibrated" and follows["rule"] == entry["rule"]
+    info = subprocess.run(cli + ["info"], capture_output=True, text=True, timeout=120, env=env)
+    assert "fast mode's attention rule: calibrated" in info.stdout, info.stdout
+    overridden = _in_child(STATUS, {**env, calibration.ENV_RULE: ",".join(["0"] * calibration.RULE_LEN)})
+    assert overridden["source"] == "environment" and overridden["rule"] == [0] * calibration.RULE_LEN
+
+    elsewhere = json.loads((copy / "manifest.json").read_text())
+    elsewhere[calibration.KEY]["cpu"]["id"] = "GenuineIntel/6/143/8//"
+    (copy / "manifest.json").write_text(json.dumps(elsewhere))
+    ignored = _in_child(STATUS, env)
+    assert ignored["source"] == "built-in" and "another CPU" in ignored["note"]
+    assert ignored["rule"] == uncalibrated["rule"]
+
+    reset = subprocess.run(cli + ["calibrate", "--reset"], capture_output=True, text=True, timeout=120, env=env)
+    assert reset.returncode == 0 and calibration.KEY not in json.loads((copy / "manifest.json").read_text())
+
+
+def test_calibrate_says_what_is_missing_on_a_build_without_the_calibrator(tmp_path):
+    root = library.install_root(library.find_library())
+    copy = tmp_path / "libllama"
+    for part in ("lib", "include"):
+        shutil.copytree(root / part, copy / part, symlinks=True)
+    shutil.copy(root / "manifest.json", copy / "manifest.json")
+    env = {**os.environ, "SWARMKV_LIBLLAMA": str(copy / "lib")}
+    proc = subprocess.run([sys.executable, "-m", "swarmkv_ffi.cli", "calibrate"], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 2
+    assert "bin/fa_calibrate not found" in proc.stderr and "./build_llama.sh" in proc.stderr
+    assert "Traceback" not in proc.stderr
