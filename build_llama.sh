@@ -188,6 +188,8 @@ else die "the 'patch' program (or git) is needed to apply kernels/ggml/*.patch (
 
 # The CPU features are part of the key: a cache or clone moved to another CPU rebuilds.
 key=$(printf '%s\n' "$SDIST_SHA256" "${flags[@]}" "$cpu_features" "$patch_set" | sha256sum | cut -c1-16)
+# The stock tools are built from the pristine pin: a new patch set does not rebuild them.
+stock_key=$(printf '%s\n' "$SDIST_SHA256" "${flags[@]}" "$cpu_features" | sha256sum | cut -c1-16)
 manifest="$prefix/manifest.json"
 
 lib_ready=0
@@ -285,12 +287,12 @@ build_tools_from() {   # SOURCE DEST-FOLDER BUILD-DIR TARGET...
 }
 build_tools() {
     if [ $tools = min ]; then
-        build_tools_from "$pristine" "$prefix/tools-stock" "$cache/tools-stock-$key" llama-batched-bench llama-quantize
+        build_tools_from "$pristine" "$prefix/tools-stock" "$cache/tools-stock-$stock_key" llama-batched-bench llama-quantize
         say "tools installed into $prefix/tools-stock (stock llama.cpp $LLAMA_COMMIT)"
         return
     fi
     build_tools_from "$src" "$prefix/tools" "$cache/tools-$key" llama-bench llama-batched-bench
-    build_tools_from "$pristine" "$prefix/tools-stock" "$cache/tools-stock-$key" llama-server llama-bench llama-batched-bench llama-quantize
+    build_tools_from "$pristine" "$prefix/tools-stock" "$cache/tools-stock-$stock_key" llama-server llama-bench llama-batched-bench llama-quantize
     say "tools installed into $prefix/tools (patched) and $prefix/tools-stock (stock llama.cpp $LLAMA_COMMIT)"
 }
 if [ $lib_ready = 1 ]; then   # only the tools were missing

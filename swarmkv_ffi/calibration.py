@@ -2,7 +2,8 @@
 
 kernels/ggml/0003 picks, for each flash-attention op of the default (fast) mode, either
 ggml's stock kernels or our shared-prefix kernel by a rule table: the fewest KV cells
-from which ours wins, per head size, KV type and number of query tokens. The table built
+from which ours wins, per head size, KV type, mask (do most rows see cell 0, or a
+sliding window past it) and number of query tokens. The table built
 into the patch was measured on one CPU; which kernel wins moves with the instruction set
 (an AVX-512 EPYC lost 5-11 % at one branch with it). So:
 
@@ -33,9 +34,10 @@ import sys
 import threading
 from pathlib import Path
 
-RULE_LEN = 48
+RULE_LEN = 96
 HEADS = ("<=64", "<=128", "<=256", ">256")
 KV_TYPES = ("float", "quantized")
+MASKS = ("prefix", "window")      # most query rows see cell 0 / do not
 TOKENS = ("1", "2-3", "4-15", "16-63", "64-511", ">=512")
 ENV_RULE = "GGML_FA_SHARED_RULE"
 KEY = "fa_shared_rule"            # the manifest's key
@@ -222,15 +224,22 @@ def status() -> dict:
     return {**_state, **in_force()}
 
 
+def index(head: int, kv: int, mask: int, tokens: int) -> int:
+    """Where an entry sits in the table (the patch's order): by class numbers."""
+    return ((head * len(KV_TYPES) + kv) * len(MASKS) + mask) * len(TOKENS) + tokens
+
+
 def table(rule: list[int]) -> str:
-    """The rule as text: one line per head size and KV type, one column per token bucket."""
+    """The rule as text: one line per head size, KV type and mask, one column per token
+    bucket; each cell the fewest KV cells from which the shared-prefix kernel runs."""
     def cell(x: int) -> str:
         return "never" if x < 0 else "always" if x == 0 else f">={x}"
-    lines = [f"{'head':>6} {'kv':>9} | " + " ".join(f"{t + ' tok':>10}" for t in TOKENS)]
+    lines = [f"{'head':>6} {'kv':>9} {'mask':>6} | " + " ".join(f"{t + ' tok':>10}" for t in TOKENS)]
     for h, head in enumerate(HEADS):
         for t, kv in enumerate(KV_TYPES):
-            row = rule[(h * len(KV_TYPES) + t) * len(TOKENS):][:len(TOKENS)]
-            lines.append(f"{head:>6} {kv:>9} | " + " ".join(f"{cell(x):>10}" for x in row))
+            for m, mask in enumerate(MASKS):
+                row = rule[index(h, t, m, 0):][:len(TOKENS)]
+                lines.append(f"{head:>6} {kv:>9} {mask:>6} | " + " ".join(f"{cell(x):>10}" for x in row))
     return "\n".join(lines)
 
 

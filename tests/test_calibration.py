@@ -21,11 +21,12 @@ from swarmkv_ffi import calibration, fattn, library
 NEVER, ALWAYS = -1, 0
 HEAD_CLASS = {64: 0, 128: 1, 256: 2, 512: 3}
 BUCKET = {1: 0, 2: 1, 4: 2, 16: 3, 64: 4, 512: 5}
-KV_CLASS = {"GGML_TYPE_F16": 0, "GGML_TYPE_Q8_0": 1}
+KV_CLASS = {"GGML_TYPE_F16": 0, "GGML_TYPE_Q8_0": 1, "f16": 0, "q8_0": 1}
+MASK_CLASS = {"prefix": 0, "window": 1}
 
 
-def index(head: int, kv_type: str, tokens: int) -> int:
-    return (HEAD_CLASS[head] * 2 + KV_CLASS[kv_type]) * 6 + BUCKET[tokens]
+def index(head: int, kv_type: str, tokens: int, mask: str = "prefix") -> int:
+    return calibration.index(HEAD_CLASS[head], KV_CLASS[kv_type], MASK_CLASS[mask], BUCKET[tokens])
 
 
 @pytest.fixture
@@ -41,15 +42,19 @@ def rule_table():
     assert set_rule(saved)
 
 
-def op(head, kv_type, tokens, cells, seed=0):
+def op(head, kv_type, tokens, cells, rows_without_cell0=0, seed=0):
+    """The fan-out's decode mask (shared cells, then one cell per row), where the first
+    `rows_without_cell0` rows see only a window of 100 cells ending at their own."""
     rng = np.random.default_rng(seed)
     n_head, n_kv_head = (4, 1) if head >= 256 else (6, 2)
     q = rng.standard_normal((1, n_head, tokens, head), dtype=np.float32)
     k = rng.standard_normal((1, n_kv_head, cells, head), dtype=np.float32)
     v = rng.standard_normal((1, n_kv_head, cells, head), dtype=np.float32)
+    shared = cells - tokens
     mask = np.zeros((1, tokens, cells), np.float32)
-    mask[0, :, cells - tokens:] = -np.inf
-    mask[0, np.arange(tokens), cells - tokens + np.arange(tokens)] = 0.0
+    mask[0, :, shared:] = -np.inf
+    mask[0, np.arange(tokens), shared + np.arange(tokens)] = 0.0
+    mask[0, :rows_without_cell0, :shared - 100] = -np.inf
     return (q, k, v, mask), {"scale": head ** -0.5, "kv_type": kv_type, "n_threads": 2}
 
 
@@ -58,28 +63,33 @@ def run(kernel, shape):
     return fattn.flash_attn(*arrays, kernel=kernel, **kw)
 
 
-SHAPES = [(64, "GGML_TYPE_F16", 1, 512), (64, "GGML_TYPE_Q8_0", 16, 256), (128, "GGML_TYPE_F16", 4, 384),
-          (256, "GGML_TYPE_F16", 64, 640), (256, "GGML_TYPE_Q8_0", 2, 256), (512, "GGML_TYPE_F16", 512, 768)]
+# head, KV type, query tokens, cells, rows that do not see cell 0 -> the mask class
+SHAPES = [(64, "GGML_TYPE_F16", 1, 512, 0, "prefix"), (64, "GGML_TYPE_Q8_0", 16, 256, 0, "prefix"),
+          (128, "GGML_TYPE_F16", 4, 384, 0, "prefix"), (256, "GGML_TYPE_F16", 64, 640, 0, "prefix"),
+          (256, "GGML_TYPE_Q8_0", 2, 256, 0, "prefix"), (512, "GGML_TYPE_F16", 512, 768, 0, "prefix"),
+          (64, "GGML_TYPE_F16", 1, 512, 1, "window"), (256, "GGML_TYPE_F16", 64, 640, 64, "window"),
+          (64, "GGML_TYPE_F16", 16, 512, 8, "prefix"), (64, "GGML_TYPE_F16", 16, 512, 9, "window")]
 
 
-@pytest.mark.parametrize("head,kv_type,tokens,cells", SHAPES)
-def test_the_table_entry_of_an_ops_shape_decides_its_kernel(rule_table, head, kv_type, tokens, cells):
-    shape = op(head, kv_type, tokens, cells)
+@pytest.mark.parametrize("head,kv_type,tokens,cells,windowed,mask", SHAPES)
+def test_the_table_entry_of_an_ops_shape_decides_its_kernel(rule_table, head, kv_type, tokens, cells, windowed, mask):
+    shape = op(head, kv_type, tokens, cells, windowed)
+    entry = index(head, kv_type, tokens, mask)
     stock, shared = run("stock", shape), run("shared", shape)
     assert not np.array_equal(stock, shared), "the two kernels must round apart for this test to see anything"
     only_here = [NEVER] * calibration.RULE_LEN
-    only_here[index(head, kv_type, tokens)] = ALWAYS
+    only_here[entry] = ALWAYS
     assert rule_table(only_here)
     assert np.array_equal(run("auto", shape), shared)
     everywhere_else = [ALWAYS] * calibration.RULE_LEN
-    everywhere_else[index(head, kv_type, tokens)] = NEVER
+    everywhere_else[entry] = NEVER
     assert rule_table(everywhere_else)
     assert np.array_equal(run("auto", shape), stock)
     threshold = [NEVER] * calibration.RULE_LEN         # from `cells` on: here, not one cell before
-    threshold[index(head, kv_type, tokens)] = cells
+    threshold[entry] = cells
     assert rule_table(threshold)
     assert np.array_equal(run("auto", shape), shared)
-    threshold[index(head, kv_type, tokens)] = cells + 1
+    threshold[entry] = cells + 1
     assert rule_table(threshold)
     assert np.array_equal(run("auto", shape), stock)
 
@@ -113,21 +123,22 @@ def test_the_environment_sets_the_table_and_a_malformed_one_is_ignored():
     rule = [(i * 37) % 600 - 1 for i in range(calibration.RULE_LEN)]
     got = _in_child(STATUS, {**env, calibration.ENV_RULE: ",".join(map(str, rule))})
     assert got["source"] == "environment" and got["rule"] == rule
-    for bad in ("1,2,3", ",".join(["0"] * 47 + ["-5"]), ",".join(["0"] * 48) + ",7", "x" * 10):
+    n = calibration.RULE_LEN
+    for bad in ("1,2,3", ",".join(["0"] * (n - 1) + ["-5"]), ",".join(["0"] * n) + ",7", "x" * 10):
         got = _in_child(STATUS, {**env, calibration.ENV_RULE: bad})
         assert got["source"] == "built-in", bad
 
 
 def expected_rule(measured: list[dict], built_in: list[int]) -> list[int]:
-    """The calibrator's decision, restated: per (head, kv, tokens), the fewest measured
-    cells from which shared was faster at that size and every larger one; 0 when that is
-    the smallest size measured (one token keeps its floor of 128 cells); -1 when it lost
-    at the largest. Head sizes above 256 keep the built-in entries."""
+    """The calibrator's decision, restated: per (head, kv, mask, tokens), the fewest
+    measured cells from which shared was faster at that size and every larger one; 0 when
+    that is the smallest size measured (one token keeps its floor); -1 when it lost at
+    the largest. Entries never measured (head sizes above 256) keep the built-in ones."""
     rule = list(built_in)
     groups: dict = {}
     for m in measured:
-        groups.setdefault((m["head"], m["kv"], m["tokens"]), []).append(m)
-    for (head, kv, tokens), rows in groups.items():
+        groups.setdefault((m["head"], m["kv"], m["mask"], m["tokens"]), []).append(m)
+    for (head, kv, mask, tokens), rows in groups.items():
         rows.sort(key=lambda m: m["cells"])
         won = [m["shared_us"] < m["stock_us"] for m in rows]
         value = NEVER
@@ -137,7 +148,7 @@ def expected_rule(measured: list[dict], built_in: list[int]) -> list[int]:
             value = rows[i]["cells"]
         if value == rows[0]["cells"] and tokens > 1:
             value = ALWAYS
-        rule[index(head, {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0"}[kv], tokens)] = value
+        rule[index(head, kv, tokens, mask)] = value
     return rule
 
 
@@ -163,7 +174,8 @@ def test_calibrate_records_a_rule_this_cpu_follows_and_another_cpu_ignores(tmp_p
     assert proc.returncode == 0, proc.stderr[-2000:]
     entry = json.loads((copy / "manifest.json").read_text())[calibration.KEY]
     assert "recorded in" in proc.stdout and calibration.table(entry["rule"]) in proc.stdout
-    assert len(entry["measured"]) == 3 * 2 * (5 * 3 + 2)      # heads x kv x (tokens, tokens <= cells <= 2048)
+    # heads x kv x ((tokens, tokens <= cells <= 2048) with the prefix mask + (tokens, 2048) with the window)
+    assert len(entry["measured"]) == 3 * 2 * ((5 * 3 + 2) + 6)
     assert entry["rule"] == expected_rule(entry["measured"], uncalibrated["rule"])
     assert entry["cpu"] == calibration.cpu_identity() and entry["threads"] == os.cpu_count()
 

@@ -9,14 +9,16 @@
 // Llama-like and Gemma-3-like groups); f16 and q8_0 K/V; 1, 2, 4, 16, 64 and 512 query
 // tokens (one per bucket of the rule); 128, 512, 2k and 8k cells (up to --max-cells: a
 // quicker calibration for short contexts, which the larger sizes then do not decide).
-// Below 64 tokens the
-// mask is the fan-out's (every row sees the shared cells, then one cell of its own);
-// from 64 on a prefill's (causal over the last tokens). Each shape runs both kernels
-// alternately, R times after one warm-up each, and keeps the fastest of each.
+// Two masks, the rule's two mask classes. "prefix": below 64 tokens the fan-out's (every
+// row sees the shared cells, then one cell of its own), from 64 on a prefill's (causal
+// over the last tokens). "window": the same within a sliding window of 512 cells ending
+// at each row's own (Gemma 3's local layers), measured from 2k cells, where most rows no
+// longer see cell 0. Each shape runs both kernels alternately, R times after one warm-up
+// each, and keeps the fastest of each.
 //
-// The rule for a (head, type, tokens) bucket is the fewest measured cells from which the
-// shared-prefix kernel was faster at that size and every larger one; -1 when it lost at
-// the largest. Head sizes above 256 (not measured) keep the built-in entries.
+// The rule for a (head, type, mask, tokens) bucket is the fewest measured cells from
+// which the shared-prefix kernel was faster at that size and every larger one; -1 when
+// it lost at the largest. Head sizes above 256 (not measured) keep the built-in entries.
 // build_llama.sh compiles and runs this after a build; `swarmkv calibrate` re-runs it.
 #include "ggml.h"
 #include "ggml-cpu.h"
@@ -33,7 +35,9 @@
 #define N_TYPES   2
 #define N_TOKENS  6
 #define N_CELLS   4
+#define N_MASKS   2    // rows that see cell 0 ("prefix"), rows that do not ("window")
 #define N_BUCKETS 6    // the patch's buckets of query tokens: 1, 2-3, 4-15, 16-63, 64-511, >= 512
+#define WINDOW    512
 
 static const int HEAD_DIM[N_HEADS]   = {64, 128, 256};
 static const int HEAD_Q[N_HEADS]     = {9, 8, 4};
@@ -42,6 +46,7 @@ static const char * TYPE_NAME[N_TYPES] = {"f16", "q8_0"};
 static const enum ggml_type TYPE[N_TYPES] = {GGML_TYPE_F16, GGML_TYPE_Q8_0};
 static const int TOKENS[N_TOKENS]    = {1, 2, 4, 16, 64, 512};
 static const int CELLS[N_CELLS]      = {128, 512, 2048, 8192};
+static const char * MASK_NAME[N_MASKS] = {"prefix", "window"};
 
 struct timing { double stock_us, shared_us; };
 
@@ -72,21 +77,23 @@ static void fill_random(struct ggml_tensor * t) {
 }
 
 // Fan-out decode (tokens < 64): every row sees cells [0, cells - tokens) and one cell of
-// its own at the end. Prefill (tokens >= 64): row i sees [0, cells - tokens + i].
-static void fill_mask(struct ggml_tensor * mask, int tokens, int cells) {
+// its own at the end. Prefill (tokens >= 64): row i sees [0, cells - tokens + i]. With a
+// window, only the cells of those within WINDOW of the row's own position.
+static void fill_mask(struct ggml_tensor * mask, int tokens, int cells, int windowed) {
     ggml_fp16_t * m = mask->data;
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
     const int shared = cells - tokens;
     for (int i = 0; i < tokens; i++) {
         for (int c = 0; c < cells; c++) {
-            const int visible = tokens < 64 ? (c < shared || c == shared + i) : (c <= shared + i);
+            const int visible = (tokens < 64 ? (c < shared || c == shared + i) : (c <= shared + i))
+                             && (!windowed || c > shared + i - WINDOW);
             m[(int64_t) i * cells + c] = visible ? zero : ninf;
         }
     }
 }
 
 // Both kernels on one shape, alternately; the fastest run of each, in microseconds.
-static struct timing time_shape(int h, int t, int tokens, int cells, int threads, int repeat) {
+static struct timing time_shape(int h, int t, int m, int tokens, int cells, int threads, int repeat) {
     const int dk = HEAD_DIM[h], nq = HEAD_Q[h], nkv = HEAD_KV[h];
     const size_t kv_bytes = ggml_row_size(TYPE[t], dk) * cells * nkv;
     const size_t mem = sizeof(float) * (size_t) dk * tokens * nq * 2 + 2 * kv_bytes
@@ -98,7 +105,7 @@ static struct timing time_shape(int h, int t, int tokens, int cells, int threads
     struct ggml_tensor * k = ggml_new_tensor_4d(ctx, TYPE[t], dk, cells, nkv, 1);
     struct ggml_tensor * v = ggml_new_tensor_4d(ctx, TYPE[t], dk, cells, nkv, 1);
     struct ggml_tensor * mask = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, cells, tokens, 1, 1);
-    fill_random(q); fill_random(k); fill_random(v); fill_mask(mask, tokens, cells);
+    fill_random(q); fill_random(k); fill_random(v); fill_mask(mask, tokens, cells, m);
     struct ggml_tensor * out = ggml_flash_attn_ext(ctx, q, k, v, mask, 1.0f / sqrtf((float) dk), 0.0f, 0.0f);
     struct ggml_cgraph * graph = ggml_new_graph(ctx);
     ggml_build_forward_expand(graph, out);
@@ -129,17 +136,25 @@ static int bucket_of(int tokens) {
     return tokens < 2 ? 0 : tokens < 4 ? 1 : tokens < 16 ? 2 : tokens < 64 ? 3 : tokens < 512 ? 4 : 5;
 }
 
-// The fewest measured cells from which shared won there and at every larger one.
-static int32_t threshold(const struct timing * row, int tokens, int max_cells) {
-    int32_t min_cells = -1;
-    for (int c = N_CELLS - 1; c >= 0; c--) {
-        if (CELLS[c] > max_cells) continue;                // not measured
-        if (CELLS[c] < tokens) break;                      // a batch's tokens are in the cache
-        if (!(row[c].shared_us < row[c].stock_us)) break;
-        min_cells = CELLS[c];
+// Which (mask, tokens, cells) shapes are measured: a batch's tokens are in the cache; a
+// window matters only where the cells reach past it.
+static int measured(int m, int tokens, int cells, int max_cells) {
+    return cells >= tokens && cells <= max_cells && (m == 0 || cells >= 4 * WINDOW);
+}
+
+// The fewest measured cells from which shared won there and at every larger one; -2
+// when no size was measured (the entry keeps its built-in value).
+static int32_t threshold(const struct timing * row, int m, int tokens, int max_cells) {
+    int32_t min_cells = -1, smallest = -1;
+    int lost = 0;
+    for (int c = N_CELLS - 1; c >= 0; c--) {          // from the largest size down
+        if (!measured(m, tokens, CELLS[c], max_cells)) continue;
+        smallest = CELLS[c];
+        if (!lost && row[c].shared_us < row[c].stock_us) min_cells = CELLS[c];
+        else lost = 1;
     }
-    const int smallest = tokens <= CELLS[0] ? CELLS[0] : tokens;
-    if (min_cells == smallest && tokens > 1) min_cells = 0;  // won from the smallest: every size
+    if (smallest == -1) return -2;
+    if (min_cells != -1 && min_cells == smallest && tokens > 1) min_cells = 0;  // won from the smallest: every size
     return min_cells;
 }
 
@@ -163,21 +178,26 @@ int main(int argc, char ** argv) {
     ggml_cpu_set_fa_shared_rule(NULL, 0);             // start from the built-in (or env) table
     ggml_cpu_get_fa_shared_rule(rule, GGML_FA_SHARED_RULE_LEN);
 
-    static struct timing timings[N_HEADS][N_TYPES][N_TOKENS][N_CELLS];
+    static struct timing timings[N_HEADS][N_TYPES][N_MASKS][N_TOKENS][N_CELLS];
     const double t0 = now_us();
     int done = 0;
-    const int total = N_HEADS * N_TYPES * N_TOKENS;
+    const int total = N_HEADS * N_TYPES * N_MASKS * N_TOKENS;
     for (int h = 0; h < N_HEADS; h++) {
         for (int t = 0; t < N_TYPES; t++) {
-            for (int n = 0; n < N_TOKENS; n++) {
-                for (int c = 0; c < N_CELLS; c++) {
-                    if (CELLS[c] >= TOKENS[n] && CELLS[c] <= max_cells) {
-                        timings[h][t][n][c] = time_shape(h, t, TOKENS[n], CELLS[c], threads, repeat);
+            for (int m = 0; m < N_MASKS; m++) {
+                for (int n = 0; n < N_TOKENS; n++) {
+                    for (int c = 0; c < N_CELLS; c++) {
+                        if (measured(m, TOKENS[n], CELLS[c], max_cells)) {
+                            timings[h][t][m][n][c] = time_shape(h, t, m, TOKENS[n], CELLS[c], threads, repeat);
+                        }
                     }
+                    const int32_t min_cells = threshold(timings[h][t][m][n], m, TOKENS[n], max_cells);
+                    if (min_cells >= -1) {
+                        rule[((h * N_TYPES + t) * N_MASKS + m) * N_BUCKETS + bucket_of(TOKENS[n])] = min_cells;
+                    }
+                    fprintf(stderr, "\rcalibrating the attention kernels: %d/%d shape groups, %.0f s",
+                            ++done, total, (now_us() - t0) / 1e6);
                 }
-                rule[(h * N_TYPES + t) * N_BUCKETS + bucket_of(TOKENS[n])] = threshold(timings[h][t][n], TOKENS[n], max_cells);
-                fprintf(stderr, "\rcalibrating the attention kernels: %d/%d shape groups, %.0f s",
-                        ++done, total, (now_us() - t0) / 1e6);
             }
         }
     }
@@ -190,15 +210,17 @@ int main(int argc, char ** argv) {
     const char * sep = "";
     for (int h = 0; h < N_HEADS; h++)
         for (int t = 0; t < N_TYPES; t++)
-            for (int n = 0; n < N_TOKENS; n++)
-                for (int c = 0; c < N_CELLS; c++) {
-                    if (CELLS[c] < TOKENS[n] || CELLS[c] > max_cells) continue;
-                    const struct timing * m = &timings[h][t][n][c];
-                    printf("%s\n  {\"head\": %d, \"kv\": \"%s\", \"tokens\": %d, \"cells\": %d, "
-                           "\"stock_us\": %.1f, \"shared_us\": %.1f}",
-                           sep, HEAD_DIM[h], TYPE_NAME[t], TOKENS[n], CELLS[c], m->stock_us, m->shared_us);
-                    sep = ",";
-                }
+            for (int m = 0; m < N_MASKS; m++)
+                for (int n = 0; n < N_TOKENS; n++)
+                    for (int c = 0; c < N_CELLS; c++) {
+                        if (!measured(m, TOKENS[n], CELLS[c], max_cells)) continue;
+                        const struct timing * x = &timings[h][t][m][n][c];
+                        printf("%s\n  {\"head\": %d, \"kv\": \"%s\", \"mask\": \"%s\", \"tokens\": %d, "
+                               "\"cells\": %d, \"stock_us\": %.1f, \"shared_us\": %.1f}",
+                               sep, HEAD_DIM[h], TYPE_NAME[t], MASK_NAME[m], TOKENS[n], CELLS[c],
+                               x->stock_us, x->shared_us);
+                        sep = ",";
+                    }
     printf("\n]}\n");
     return 0;
 }
