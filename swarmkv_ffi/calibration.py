@@ -131,6 +131,25 @@ def record(prefix: Path, result: dict) -> dict:
         "measured": result.get("measured", []),
     }
     manifest[KEY] = entry
+    _write(path, manifest)
+    return entry
+
+
+def forget(prefix: Path) -> bool:
+    """Remove a recorded calibration (back to the built-in rule); whether there was one."""
+    path = Path(prefix) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CalibrationError(f"cannot read {path}: {exc}") from None
+    if manifest.pop(KEY, None) is None:
+        return False
+    _write(path, manifest)
+    return True
+
+
+def _write(path: Path, manifest: dict) -> None:
+    """Replace the manifest whole (a reader never sees half of it)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps(manifest, indent=2) + "\n")
@@ -138,19 +157,6 @@ def record(prefix: Path, result: dict) -> dict:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise CalibrationError(f"cannot write {path}: {exc.strerror or exc}") from None
-    return entry
-
-
-def forget(prefix: Path) -> bool:
-    """Remove a recorded calibration (back to the built-in rule); whether there was one."""
-    path = Path(prefix) / "manifest.json"
-    manifest = json.loads(path.read_text())
-    if manifest.pop(KEY, None) is None:
-        return False
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, path)
-    return True
 
 
 # ---- applying it at load ------------------------------------------------------------------
@@ -198,13 +204,21 @@ def apply(manifest: dict) -> dict:
             _state.update(note=f"the manifest's calibration was measured on another CPU "
                                f"({was.get('model_name')} {was.get('id')}); run swarmkv calibrate here")
         else:
-            rule = _ffi.new("int32_t[]", check_rule(entry["rule"]))
-            if not fns.ggml_cpu_set_fa_shared_rule(rule, RULE_LEN):
-                raise CalibrationError("libllama refused the manifest's rule table")
-            _state.update(note=f"measured {entry.get('calibrated_at')} with {entry.get('threads')} threads "
-                               f"in {entry.get('seconds')} s")
+            _state.update(note=_set_from(fns, entry))
         _state.update(in_force())
         return _state
+
+
+def _set_from(fns, entry: dict) -> str:
+    """Hand a recorded table to ggml; what happened, in words. A damaged entry leaves the
+    built-in table: a manifest never stops the library from loading."""
+    try:
+        rule = check_rule(entry.get("rule"))
+    except CalibrationError as exc:
+        return f"the manifest's calibration is not usable ({exc}); run swarmkv calibrate"
+    if not fns.ggml_cpu_set_fa_shared_rule(_ffi.new("int32_t[]", rule), RULE_LEN):
+        return "libllama refused the manifest's rule table; run swarmkv calibrate"
+    return f"measured {entry.get('calibrated_at')} with {entry.get('threads')} threads in {entry.get('seconds')} s"
 
 
 def in_force() -> dict:

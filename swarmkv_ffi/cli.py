@@ -99,13 +99,15 @@ def _print_rule(rule: dict) -> None:
 
 # ---- calibrate -------------------------------------------------------------------------------
 def cmd_calibrate(args) -> int:
+    if args.repeat < 1 or (args.threads is not None and args.threads < 1) or (args.max_cells or 512) < 512:
+        raise ValueError("--repeat and --threads must be >= 1, --max-cells >= 512")
     root = library.install_root(library.find_library())
-    if args.reset:
-        gone = calibration.forget(root)
-        print(f"{root / 'manifest.json'}: " + ("calibration removed; the built-in rule applies"
-                                                if gone else "had no calibration"))
-        return 0
     try:
+        if args.reset:
+            gone = calibration.forget(root)
+            print(f"{root / 'manifest.json'}: " + ("calibration removed; the built-in rule applies"
+                                                    if gone else "had no calibration"))
+            return 0
         result = calibration.measure(root, args.threads, args.repeat, args.max_cells)
         entry = result if args.dry_run else calibration.record(root, result)
     except calibration.CalibrationError as exc:

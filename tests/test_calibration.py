@@ -193,6 +193,13 @@ def test_calibrate_records_a_rule_this_cpu_follows_and_another_cpu_ignores(tmp_p
     assert ignored["source"] == "built-in" and "another CPU" in ignored["note"]
     assert ignored["rule"] == uncalibrated["rule"]
 
+    damaged = json.loads((copy / "manifest.json").read_text())
+    damaged[calibration.KEY]["cpu"] = calibration.cpu_identity()
+    damaged[calibration.KEY]["rule"] = damaged[calibration.KEY]["rule"][:48]      # e.g. an older layout
+    (copy / "manifest.json").write_text(json.dumps(damaged))
+    refused = _in_child(STATUS, env)
+    assert refused["source"] == "built-in" and "not usable" in refused["note"]
+
     reset = subprocess.run(cli + ["calibrate", "--reset"], capture_output=True, text=True, timeout=120, env=env)
     assert reset.returncode == 0 and calibration.KEY not in json.loads((copy / "manifest.json").read_text())
 
