@@ -34,12 +34,37 @@ def rule_table():
     """Set a table for the test; the library's own (calibrated or built-in) after it."""
     fns = calibration._rule_functions()
     ffi = calibration._ffi
-    saved = calibration.in_force()["rule"]
+    saved = calibration.in_force()
 
     def set_rule(rule):
+        if rule is None:
+            return bool(fns.ggml_cpu_set_fa_shared_rule(ffi.NULL, 0))
         return bool(fns.ggml_cpu_set_fa_shared_rule(ffi.new("int32_t[]", rule), len(rule)))
     yield set_rule
-    assert set_rule(saved)
+    assert set_rule(saved["rule"] if saved["source"] == "calibrated" else None)
+    assert calibration.in_force() == saved
+
+
+@pytest.mark.parametrize("n_tok,n_kv,dk,want", [(2, 600, 256, "shared"), (1, 600, 64, "shared"),
+                                               (64, 600, 64, "shared"), (1, 600, 256, "stock"),
+                                               (64, 600, 256, "stock"), (1, 64, 64, "stock")])
+def test_the_built_in_table_is_the_rule_the_patch_header_names(rule_table, n_tok, n_kv, dk, want):
+    """Without a calibration: with head size <= 128 the new kernel for >= 2 query tokens
+    and for one over >= 128 cells; with larger heads for 2..63 query tokens; stock otherwise."""
+    if os.environ.get(calibration.ENV_RULE):
+        pytest.skip(f"{calibration.ENV_RULE} is set: the built-in table is not in force")
+    assert rule_table(None) and calibration.in_force()["source"] == "built-in"
+    rng = np.random.default_rng(23)
+    q = rng.standard_normal((1, 4, n_tok, dk), dtype=np.float32)
+    k, v = (rng.standard_normal((1, 2, n_kv, dk), dtype=np.float32).astype(np.float16).astype(np.float32)
+            for _ in range(2))
+    cells, rows = np.arange(n_kv)[None, :], (n_kv - n_tok + np.arange(n_tok))[:, None]
+    mask = np.where(cells <= rows, 0.0, -np.inf).astype(np.float32)[None]
+    kw = {"scale": dk ** -0.5, "n_threads": 2}
+    auto = fattn.flash_attn(q, k, v, mask, kernel="auto", **kw)
+    assert np.array_equal(auto, fattn.flash_attn(q, k, v, mask, kernel=want, **kw))
+    other = "stock" if want == "shared" else "shared"
+    assert not np.array_equal(auto, fattn.flash_attn(q, k, v, mask, kernel=other, **kw))
 
 
 def op(head, kv_type, tokens, cells, rows_without_cell0=0, seed=0):

@@ -167,18 +167,3 @@ def test_a_row_does_not_depend_on_where_its_cells_sit():
     plain = fattn.flash_attn(q[:, :, b:b + 1], plain_k, plain_v, plain_mask, kernel="shared",
                              scale=128 ** -0.5)
     assert np.array_equal(plain[0, 0], shared[0, b])
-
-
-@pytest.mark.parametrize("n_tok,n_kv,dk,want", [(2, 600, 256, "shared"), (1, 600, 64, "shared"),
-                                               (64, 600, 64, "shared"), (1, 600, 256, "stock"),
-                                               (64, 600, 256, "stock"), (1, 64, 64, "stock")])
-def test_auto_picks_the_kernel_the_patch_header_names(n_tok, n_kv, dk, want):
-    """Default mode: with head size <= 128 the new kernel for >= 2 query tokens and for
-    one over >= 128 cells; with larger heads for 2..63 query tokens; stock otherwise."""
-    rng = np.random.default_rng(23)
-    q, k, v = make(rng, n_head=4, n_head_kv=2, n_tok=n_tok, n_kv=n_kv, dk=dk)
-    mask = causal(1, n_tok, n_kv, n_kv - n_tok)
-    auto = fattn.flash_attn(q, k, v, mask, kernel="auto", scale=dk ** -0.5, n_threads=2)
-    assert np.array_equal(auto, fattn.flash_attn(q, k, v, mask, kernel=want, scale=dk ** -0.5, n_threads=2))
-    other = "stock" if want == "shared" else "shared"
-    assert not np.array_equal(auto, fattn.flash_attn(q, k, v, mask, kernel=other, scale=dk ** -0.5, n_threads=2))
