@@ -26,13 +26,17 @@ build_llama.sh records a calibration before the package is installed:
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
+
+if __package__:
+    from . import cpu
+else:                 # run as a script by build_llama.sh: cpu.py, beside this file, is stdlib too
+    import cpu
 
 RULE_LEN = 96
 HEADS = ("<=64", "<=128", "<=256", ">256")
@@ -46,38 +50,6 @@ SOURCES = {0: "built-in", 1: "environment", 2: "calibrated"}
 
 class CalibrationError(RuntimeError):
     """The calibration could not run or its result could not be recorded."""
-
-
-# ---- the CPU a calibration belongs to ---------------------------------------------------
-
-def cpu_identity() -> dict:
-    """What makes two CPUs the same for a kernel race: vendor, family, model, stepping and
-    the instruction sets the kernel may use. A VM's model name alone ("AMD EPYC") names
-    both a Zen 3 and a Zen 5, so it is not enough."""
-    fields: dict[str, str] = {}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        name = name.strip()
-        if name in ("vendor_id", "cpu family", "model", "stepping", "model name", "flags", "Features",
-                    "CPU implementer", "CPU part") and name not in fields:
-            fields[name] = value.strip()
-    flags = sorted((fields.get("flags") or fields.get("Features") or "").split())
-    import platform
-    return {
-        "model_name": fields.get("model name", platform.processor() or platform.machine()),
-        "id": "/".join(fields.get(k, "") for k in ("vendor_id", "cpu family", "model", "stepping",
-                                                   "CPU implementer", "CPU part")),
-        "flags_sha256": hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16],
-        "cpus": os.cpu_count() or 1,
-    }
-
-
-def same_cpu(a: dict, b: dict) -> bool:
-    return all(a.get(k) == b.get(k) for k in ("model_name", "id", "flags_sha256"))
 
 
 # ---- running and recording a calibration ------------------------------------------------
@@ -123,7 +95,7 @@ def record(prefix: Path, result: dict) -> dict:
         raise CalibrationError(f"cannot read {path}: {exc}") from None
     entry = {
         "rule": check_rule(result["rule"]),
-        "cpu": cpu_identity(),
+        "cpu": {**cpu.identity(), "cpus": os.cpu_count() or 1},
         "threads": result.get("threads"),
         "max_cells": result.get("max_cells"),
         "seconds": result.get("seconds"),
@@ -199,7 +171,7 @@ def apply(manifest: dict) -> dict:
             _state.update(note=f"{ENV_RULE} is set in the environment")
         elif not entry:
             _state.update(note="no calibration in the build's manifest (swarmkv calibrate makes one)")
-        elif not same_cpu(entry.get("cpu", {}), cpu_identity()):
+        elif not cpu.same_identity(entry.get("cpu", {}), cpu.identity()):
             was = entry.get("cpu", {})
             _state.update(note=f"the manifest's calibration was measured on another CPU "
                                f"({was.get('model_name')} {was.get('id')}); run swarmkv calibrate here")

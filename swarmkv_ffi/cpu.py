@@ -13,6 +13,7 @@ the compiler's predefined macros into that list:
 """
 from __future__ import annotations
 
+import hashlib
 import platform
 import re
 import sys
@@ -69,6 +70,21 @@ def missing_features(required: list[str], host: set[str] | None = None) -> list[
     if host is None:
         return []
     return [f for f in required if f not in host]
+
+
+def identity() -> dict:
+    """What makes two CPUs the same for a race between kernels: model name, vendor,
+    family, model and stepping (or an ARM implementer and part), and the flags. A VM's
+    model name alone ("AMD EPYC") names both a Zen 3 and a Zen 5, so it is not enough."""
+    ids = [_cpuinfo_field(k) or "" for k in ("vendor_id", "cpu family", "model", "stepping",
+                                             "CPU implementer", "CPU part")]
+    flags = " ".join(sorted(host_features() or ()))
+    return {"model_name": _cpuinfo_field("model name") or platform.machine(), "id": "/".join(ids),
+            "flags_sha256": hashlib.sha256(flags.encode()).hexdigest()[:16]}
+
+
+def same_identity(a: dict, b: dict) -> bool:
+    return all(a.get(k) == b.get(k) for k in ("model_name", "id", "flags_sha256"))
 
 
 def describe_host() -> str:

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from swarmkv_ffi import calibration, fattn, library
+from swarmkv_ffi import calibration, cpu, fattn, library
 
 NEVER, ALWAYS = -1, 0
 HEAD_CLASS = {64: 0, 128: 1, 256: 2, 512: 3}
@@ -202,7 +202,7 @@ def test_calibrate_records_a_rule_this_cpu_follows_and_another_cpu_ignores(tmp_p
     # heads x kv x ((tokens, tokens <= cells <= 2048) with the prefix mask + (tokens, 2048) with the window)
     assert len(entry["measured"]) == 3 * 2 * ((5 * 3 + 2) + 6)
     assert entry["rule"] == expected_rule(entry["measured"], uncalibrated["rule"])
-    assert entry["cpu"] == calibration.cpu_identity() and entry["threads"] == os.cpu_count()
+    assert cpu.same_identity(entry["cpu"], cpu.identity()) and entry["threads"] == os.cpu_count()
 
     follows = _in_child(STATUS, env)
     assert follows["source"] == "calibrated" and follows["rule"] == entry["rule"]
@@ -219,7 +219,7 @@ def test_calibrate_records_a_rule_this_cpu_follows_and_another_cpu_ignores(tmp_p
     assert ignored["rule"] == uncalibrated["rule"]
 
     damaged = json.loads((copy / "manifest.json").read_text())
-    damaged[calibration.KEY]["cpu"] = calibration.cpu_identity()
+    damaged[calibration.KEY]["cpu"] = cpu.identity()
     damaged[calibration.KEY]["rule"] = damaged[calibration.KEY]["rule"][:48]      # e.g. an older layout
     (copy / "manifest.json").write_text(json.dumps(damaged))
     refused = _in_child(STATUS, env)

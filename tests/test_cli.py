@@ -14,6 +14,8 @@ def test_info_json():
     assert report["manifest"]["llama_h_sha256"] == report["pin"]["llama_h_sha256"]
     assert any(d["type"] == "cpu" for d in report["devices"])
     assert {m["name"] for m in report["models"]} >= {"smollm2-135m", "gemma3-270m"}
+    rule = report["fa_shared_rule"]          # the fast mode's kernel table and where it came from
+    assert rule["source"] in ("calibrated", "environment", "built-in") and len(rule["rule"]) == 96
 
 
 @pytest.mark.parametrize("model,chat", [("smollm2-135m", True), ("gemma3-270m", False)])

@@ -29,7 +29,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from .. import calibration, library
+from .. import calibration, cpu, library
 from ..catalog import DEFAULT_MODEL, resolve
 from .measure import report_json, settings_of
 from .tools import run_json_lines
@@ -64,7 +64,7 @@ def calibrated_rule() -> dict:
     if not entry:
         raise SystemExit("the build has no calibration: run `swarmkv calibrate`, or leave out the "
                          "calibrated variant (--variants stock,ours,builtin)")
-    if not calibration.same_cpu(entry.get("cpu", {}), calibration.cpu_identity()):
+    if not cpu.same_identity(entry.get("cpu", {}), cpu.identity()):
         raise SystemExit("the build's calibration was measured on another CPU: run `swarmkv calibrate` here")
     return entry
 
