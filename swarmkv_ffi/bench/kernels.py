@@ -3,7 +3,8 @@
 `./build_llama.sh --tools` builds llama-batched-bench twice from the same pin and flags:
 PREFIX/tools-stock/ from the pristine sources, PREFIX/tools/ with kernels/ggml/*.patch
 applied. This runs them on the same model, the same threads, in one process run,
-alternating the variants on each repeat, and reports the medians:
+alternating the variants on each repeat (in an order rotated from one repeat to the
+next), and reports the medians:
 
   stock       the pristine build: ggml's kernels
   ours        the patched build with GGML_FA_SHARED=on: the shared-prefix kernel wherever
@@ -179,7 +180,8 @@ def main(argv=None) -> int:
     rule = entry["rule"] if entry else None
     runs: dict[str, list[list[dict]]] = {v: [] for v in args.variants}
     for r in range(args.repeats):
-        for variant in args.variants:
+        shift = r % len(args.variants)     # each variant in turn runs first, so no one always follows another
+        for variant in args.variants[shift:] + args.variants[:shift]:
             print(f"repeat {r + 1}/{args.repeats}: {variant}", file=sys.stderr, flush=True)
             runs[variant].append(batched_bench(variant, model, args, rule))
     rows = table(runs, args)
