@@ -178,6 +178,8 @@ def apply(manifest: dict) -> dict:
         else:
             _state.update(note=_set_from(fns, entry))
         _state.update(in_force())
+        if os.environ.get(ENV_RULE) and _state["source"] != "environment":
+            _state["note"] = f"{ENV_RULE} is malformed (not {RULE_LEN} integers >= -1) and was ignored"
         return _state
 
 

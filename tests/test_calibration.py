@@ -151,7 +151,7 @@ def test_the_environment_sets_the_table_and_a_malformed_one_is_ignored():
     n = calibration.RULE_LEN
     for bad in ("1,2,3", ",".join(["0"] * (n - 1) + ["-5"]), ",".join(["0"] * n) + ",7", "x" * 10):
         got = _in_child(STATUS, {**env, calibration.ENV_RULE: bad})
-        assert got["source"] == "built-in", bad
+        assert got["source"] == "built-in" and "malformed" in got["note"], bad
 
 
 def expected_rule(measured: list[dict], built_in: list[int]) -> list[int]:
