@@ -180,6 +180,7 @@ int main(int argc, char ** argv) {
 
     static struct timing timings[N_HEADS][N_TYPES][N_MASKS][N_TOKENS][N_CELLS];
     const double t0 = now_us();
+    const int tty = isatty(2);
     int done = 0;
     const int total = N_HEADS * N_TYPES * N_MASKS * N_TOKENS;
     for (int h = 0; h < N_HEADS; h++) {
@@ -195,13 +196,16 @@ int main(int argc, char ** argv) {
                     if (min_cells >= -1) {
                         rule[((h * N_TYPES + t) * N_MASKS + m) * N_BUCKETS + bucket_of(TOKENS[n])] = min_cells;
                     }
-                    fprintf(stderr, "\rcalibrating the attention kernels: %d/%d shape groups, %.0f s",
-                            ++done, total, (now_us() - t0) / 1e6);
+                    ++done;
+                    if (tty || done % (N_TOKENS * N_MASKS * N_TYPES) == 0) {   // a log gets a line per head size
+                        fprintf(stderr, "%scalibrating the attention kernels: %d/%d shape groups, %.0f s%s",
+                                tty ? "\r" : "", done, total, (now_us() - t0) / 1e6, tty ? "" : "\n");
+                    }
                 }
             }
         }
     }
-    fprintf(stderr, "\n");
+    if (tty) fprintf(stderr, "\n");
 
     printf("{\"threads\": %d, \"repeat\": %d, \"max_cells\": %d, \"seconds\": %.2f,\n \"rule\": [",
            threads, repeat, max_cells, (now_us() - t0) / 1e6);
