@@ -56,8 +56,8 @@ refuses to load it on a CPU that lacks one (instead of dying with SIGILL).
                      without network; it must name this pin's sdist sha256
   --jobs N           parallel compile jobs (default: nproc)
   --force            rebuild even if the installed manifest matches
-  --no-calibrate     do not time the attention kernels after the build (about half a
-                     minute on 2 cores): the fast mode then chooses between ggml's
+  --no-calibrate     do not time the attention kernels after the build (under a
+                     minute: 47 s on 2 cores): the fast mode then chooses between ggml's
                      kernels and ours by the rule built into kernels/ggml/0003, measured
                      on one CPU. \`swarmkv calibrate\` calibrates later; a build that
                      is already up to date is not re-calibrated
