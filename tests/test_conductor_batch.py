@@ -9,11 +9,11 @@ import threading
 import pytest
 
 from lmxd_daemon import Daemon, eventually, queued, scheduler_held, wait_decoding
+from row_clock import RowClock
 from swarmkv_ffi.bench.measure import at_once
 from swarmkv_ffi.conductor import pool as pool_module
 from swarmkv_ffi.conductor.agents import Conductor
 from swarmkv_ffi.conductor.ledger import Ledger
-from swarmkv_ffi.conductor.policy import Policy
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -181,15 +181,6 @@ def test_decodes_starting_together_prefill_their_common_prompt_tokens_once(monke
 
 
 @pytest.mark.slow
-class RowClock(Policy):
-    """Steps charged 10 ms a row, whatever they took: the fairness test then runs the same
-    on a fast machine and a loaded one (what it checks is decided by rows, not seconds)."""
-
-    @staticmethod
-    def by_rows(rows: dict[int, float], seconds: float) -> dict[int, float]:
-        return {uid: 0.01 * n for uid, n in rows.items()}
-
-
 def test_one_users_many_decodes_do_not_slow_another_users_one():
     """User A keeps four long DECODEs in one batch; user B's short DECODE, sent once A has
     been charged 1.5 s (about 38 of A's 120 steps, at 10 ms a row), runs alone in its steps

@@ -8,10 +8,10 @@ import threading
 import pytest
 
 from lmxd_daemon import queued, scheduler_held
+from row_clock import RowClock
 from swarmkv_ffi.conductor.agents import Conductor
 from swarmkv_ffi.conductor.ledger import Ledger
 from swarmkv_ffi.context import Context
-from test_conductor_batch import RowClock
 
 pytestmark = pytest.mark.timeout(300)
 A, B = 1000, 1001
