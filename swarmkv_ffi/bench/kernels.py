@@ -79,10 +79,16 @@ def variant_env(variant: str, rule: list[int] | None) -> dict:
     return {**env, **extra}
 
 
-def batched_bench(variant: str, model: Path, args, rule: list[int] | None) -> list[dict]:
+def tool(variant: str) -> Path:
+    """The llama-batched-bench a variant runs (SystemExit naming the build step if absent)."""
     exe = library.tool_path("llama-batched-bench", build=_RUNS[variant][0])
     if not exe.exists():
         raise SystemExit(f"{exe} not found: build both sets of tools with ./build_llama.sh --tools")
+    return exe
+
+
+def batched_bench(variant: str, model: Path, args, rule: list[int] | None) -> list[dict]:
+    exe = tool(variant)
     n_ctx = max(args.npp) + max(args.npl) * (args.ntg + 8) + 64
     return run_json_lines([str(exe), "-m", str(model), "-c", str(n_ctx), "-b", "2048", "-ub", "512",
                            "-npp", ",".join(map(str, args.npp)), "-ntg", str(args.ntg),
@@ -173,9 +179,7 @@ def main(argv=None) -> int:
         ap.error("--repeats and --ntg must be >= 1")
     model = resolve(args.model)
     for variant in args.variants:   # every tool present before the first long run
-        exe = library.tool_path("llama-batched-bench", build=_RUNS[variant][0])
-        if not exe.exists():
-            raise SystemExit(f"{exe} not found: build both sets of tools with ./build_llama.sh --tools")
+        tool(variant)
     entry = calibrated_rule() if "calibrated" in args.variants else None
     rule = entry["rule"] if entry else None
     runs: dict[str, list[list[dict]]] = {v: [] for v in args.variants}
