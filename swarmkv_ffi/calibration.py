@@ -141,27 +141,32 @@ _state: dict = {}                 # what apply() decided, for `swarmkv info`
 _apply_lock = threading.Lock()
 _ffi = None
 _handle = None
+_library: Path | None = None      # the libllama apply() was handed (library.py loads it, then calls apply)
 
 
 def _rule_functions():
-    """The patch's two rule functions (None for a library built before them)."""
+    """The patch's two rule functions (None for a library built before them, or before
+    library.py has loaded one)."""
     global _ffi, _handle
     if _handle is None:
+        if _library is None:
+            return None
         from cffi import FFI
-
-        from . import library
         _ffi = FFI()
         _ffi.cdef(_CDEF)
-        _handle = _ffi.dlopen(str(library.find_library()))
+        _handle = _ffi.dlopen(str(_library))
     return _handle if hasattr(_handle, "ggml_cpu_set_fa_shared_rule") else None
 
 
-def apply(manifest: dict) -> dict:
-    """Hand the manifest's calibration to ggml when it was measured on this CPU and the
-    environment does not set a rule. Once per process; returns the decision."""
+def apply(manifest: dict, library: Path) -> dict:
+    """Hand the manifest's calibration to ggml (in `library`, the libllama just loaded)
+    when it was measured on this CPU and the environment does not set a rule. Once per
+    process; returns the decision."""
+    global _library
     with _apply_lock:
         if _state:
             return _state
+        _library = library
         entry = manifest.get(KEY)
         fns = _rule_functions()
         if fns is None:
@@ -206,9 +211,8 @@ def in_force() -> dict:
 
 
 def status() -> dict:
-    """apply()'s decision (loading the library if needed) plus the table in force."""
-    from . import library
-    library.lib()
+    """apply()'s decision plus the table in force (library.kernel_rule() loads the library
+    first)."""
     return {**_state, **in_force()}
 
 

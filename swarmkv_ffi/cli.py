@@ -59,7 +59,7 @@ def cmd_info(args) -> int:
         report["llama_version"] = library.version()
         report["devices"] = library.devices()
         report["system_info"] = library.system_info()
-        report["fa_shared_rule"] = calibration.status()
+        report["fa_shared_rule"] = library.kernel_rule()
     except errors.SwarmKVError as exc:
         report["library_error"] = str(exc)
     if args.json:

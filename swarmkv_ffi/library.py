@@ -225,7 +225,7 @@ def lib():
             _log_callback = ffi.callback("ggml_log_callback", _on_llama_log)
             handle.llama_log_set(_log_callback, ffi.NULL)
             _lib_path, _manifest = path, read_manifest(path) or {}
-            calibration.apply(_manifest)   # this CPU's kernel rule, if the build was calibrated here
+            calibration.apply(_manifest, path)   # this CPU's kernel rule, if the build was calibrated here
             _lib = handle
     return _lib
 
@@ -244,10 +244,17 @@ def build_info() -> dict:
     m = manifest()
     keys = ("llama_cpp_commit", "backend", "cuda_arch", "cpu_target", "cpu_features", "patch_set", "patches",
             "build_flags", "built_at")
-    rule = calibration.status()
+    rule = kernel_rule()
     return {"library": str(library_path()), **{k: m.get(k) for k in keys}, "ggml_system_info": system_info().strip(),
             "devices": [d["name"] for d in devices()],
             "fa_shared_rule": {"source": rule["source"], "rule": rule["rule"]}}
+
+
+def kernel_rule() -> dict:
+    """Which attention kernel the fast mode takes (calibration.py): the decision made when
+    the library loaded and the rule table in force."""
+    lib()
+    return calibration.status()
 
 
 def library_path() -> Path:

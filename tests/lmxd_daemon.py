@@ -24,7 +24,7 @@ class Daemon:
     def __init__(self, tmp: Path, *args: str, preexec_fn=None):
         self.path = tmp / "lmx.sock"
         self.log = (tmp / "lmxd.log").open("w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "swarmkv_ffi.conductor.server",
+        self.proc = subprocess.Popen([sys.executable, "-m", "swarmkv_ffi.lmxd",
                                       "--socket", str(self.path), "--threads", "1", *args],
                                      stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
         deadline = time.time() + 60

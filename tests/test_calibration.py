@@ -32,6 +32,7 @@ def index(head: int, kv_type: str, tokens: int, mask: str = "prefix") -> int:
 @pytest.fixture
 def rule_table():
     """Set a table for the test; the library's own (calibrated or built-in) after it."""
+    library.lib()
     fns = calibration._rule_functions()
     ffi = calibration._ffi
     saved = calibration.in_force()
@@ -140,7 +141,7 @@ def _in_child(code: str, env: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-STATUS = "import json; from swarmkv_ffi import calibration; print(json.dumps(calibration.status()))"
+STATUS = "import json; from swarmkv_ffi import library; print(json.dumps(library.kernel_rule()))"
 
 
 def test_the_environment_sets_the_table_and_a_malformed_one_is_ignored():

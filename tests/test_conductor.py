@@ -205,7 +205,7 @@ def test_disconnect_mid_decode_leaves_conversation_unchanged(daemon, agents):
 
 
 def test_second_daemon_on_same_socket_refuses(daemon):
-    proc = subprocess.run([sys.executable, "-m", "swarmkv_ffi.conductor.server", "--socket", str(daemon.path)],
+    proc = subprocess.run([sys.executable, "-m", "swarmkv_ffi.lmxd", "--socket", str(daemon.path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "already serving" in proc.stderr
 

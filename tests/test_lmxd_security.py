@@ -454,6 +454,6 @@ def test_models_dir_names_are_files_inside_it_only(tmp, files):
     os.chmod(models, 0o777)
     import subprocess
     import sys
-    bad = subprocess.run([sys.executable, "-m", "swarmkv_ffi.conductor.server", "--socket", str(tmp / "x.sock"),
+    bad = subprocess.run([sys.executable, "-m", "swarmkv_ffi.lmxd", "--socket", str(tmp / "x.sock"),
                           "--models-dir", str(models)], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "writable by others" in bad.stderr

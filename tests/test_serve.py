@@ -313,8 +313,9 @@ def test_lmxd_http_serves_beside_the_socket_on_one_engine(tmp_path):
             assert beside.choices[0].message.content
             assert again.choices[0].message.content == alone.choices[0].message.content
             assert logprobs(again) == logprobs(alone)
-            assert "http-pool" in [a["agent_id"] for a in c.list()]
-            with pytest.raises(LmxError, match="books the HTTP server's pool"):
-                c.unregister("http-pool")
+            booking = [a["agent_id"] for a in c.list() if a["agent_id"].startswith("#requests-")]
+            assert len(booking) == 1
+            with pytest.raises(LmxError, match="books a request pool"):
+                c.unregister(booking[0])
         assert d.stop() == 0
     assert "Traceback" not in d.logs()

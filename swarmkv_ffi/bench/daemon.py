@@ -14,7 +14,7 @@ def start_lmxd(sock: Path, *flags: str, log: Path | None = None, timeout: float 
     from ..conductor.client import LmxClient
     from ..errors import SwarmKVError
     out = open(log, "w") if log else subprocess.DEVNULL
-    proc = subprocess.Popen([sys.executable, "-m", "swarmkv_ffi.conductor.server", "--socket", str(sock), *flags],
+    proc = subprocess.Popen([sys.executable, "-m", "swarmkv_ffi.lmxd", "--socket", str(sock), *flags],
                             stdout=subprocess.DEVNULL, stderr=out)
     deadline = time.time() + timeout
     while True:

@@ -33,7 +33,7 @@ from .ledger import Ledger, LedgerDenied
 from .modelfile import LoadableCopy, ModelFile, ModelSource, check_unchanged, fd_path
 from .quotas import UNLIMITED, Quotas
 from .policy import Policy
-from .pool import Pool, PoolKey, Seat, pool_key
+from .pool import Fixed, Kind, Pool, PoolKey, Seat, pool_key
 from .registry import Loaded, ModelRegistry
 from .scheduler import Run, Scheduler, Stopping
 
@@ -48,6 +48,26 @@ class ConductorError(SwarmKVError):
         self.code = code
 
 
+class ContextFull(ConductorError):
+    """A DECODE or a request that would take more cells than it may: the numbers, for each
+    front to say in its own words (lmxd's line is the message)."""
+
+    def __init__(self, message: str, limit: int, held: int, new: int, max_tokens: int):
+        super().__init__("CONTEXT_FULL", message)
+        self.limit, self.held, self.new, self.max_tokens = limit, held, new, max_tokens
+
+
+def check_context(limit: int, held: int, new: int, max_tokens: int, who: str, advice: str) -> None:
+    """The one context-length check, for conversations (Conductor.begin) and requests
+    (RequestPool.submit): `held` tokens already in context, `new` ones to read and up to
+    `max_tokens` to generate must fit in `limit` cells, and at least one token must be
+    asked for. `who` starts the message and `advice` ends it."""
+    need = held + new + max_tokens
+    if need > limit or max_tokens < 1:
+        raise ContextFull(f"{who}: {held} tokens in context + {new} new + max_tokens {max_tokens} = {need} > "
+                          f"n_ctx {limit}; {advice}", limit, held, new, max_tokens)
+
+
 #: A paused prefix agent keeps no KV of its own when its tokens after the document are at
 #: most this many: it is rebuilt from the shared document and a re-read of those tokens.
 REPLAY_MAX = 2048
@@ -60,6 +80,7 @@ class SharedPrefix:
     first agent that needs it and kept once in host RAM (booked once to the swap budget),
     for as long as one of its agents is registered."""
     key: str                              # owner:model file:tokens hash (never shared across users)
+    owner: int
     tokens: list[int]
     snapshot: Snapshot | None = None
     agents: set[str] = field(default_factory=set)   # Agent.key of each
@@ -87,9 +108,9 @@ class Agent:
     pending: int | None = None            # last generated token, not yet decoded
     prefix: SharedPrefix | None = None    # the document it starts from (REGISTER prefix=)
     decoded: bool = False                 # it has sent a DECODE (pools are sized for it)
-    want: list[int] | None = None         # an HTTP request's prompt tokens (serve/: forked from kept cells)
-    exact: bool = False                   # decodes in an exact pool without a document (serve --exact)
-    holder: bool = False                  # books the HTTP server's pool; never decodes, leaves with it
+    kind: Kind = Kind.CONVERSATION        # a conversation, a request, or a request pool's reservation
+    asked: list[int] = field(default_factory=list)   # a request's prompt tokens (forked where the pool holds them)
+    exact: bool = False                   # decodes in an exact pool without a document (a request pool's)
 
     @property
     def key(self) -> str:
@@ -145,22 +166,19 @@ class Conductor:
         self.scheduler = Scheduler(self, policy)
         self.n_threads = n_threads
         self.prefixes: dict[str, SharedPrefix] = {}
-        # The HTTP server's pools (serve/engine.py sets them): (cells, sequences), and
-        # whether every principal may fork every principal's kept cells.
-        self.served_pool: tuple[int, int] | None = None
-        self.share_prefixes = False
-        self.served_store = None               # shared prefixes on disk (serve/persist.py)
+        self.request_pools: dict[PoolKey, Fixed] = {}   # requests.py's pools, by key
 
     # ---- REGISTER / UNREGISTER ------------------------------------------------------------
     def register(self, agent_id: str, model: str | ModelSource, n_ctx: int = 2048, owner: int | None = None,
-                 prefix: str | None = None) -> Agent:
+                 prefix: str | None = None, kind: Kind = Kind.CONVERSATION, exact: bool = False) -> Agent:
         """estimate → reserve → load → slot; any failure after the reservation undoes it.
         model: a short name or a path the daemon may open (the operator's), or a
         ModelSource the server built. prefix: a document the agent starts from, shared
         with every agent of the same owner and model over the same text (its KV is
-        computed once, at the first DECODE that needs it)."""
+        computed once, at the first DECODE that needs it). kind RESERVATION (requests.py):
+        an agent that books a request pool, named so that no client can name it."""
         owner = self.admin if owner is None else owner
-        if not AGENT_ID.match(agent_id):
+        if kind is Kind.CONVERSATION and not AGENT_ID.match(agent_id):
             raise ConductorError("BAD_REQUEST", "agent_id must be 1-64 of [A-Za-z0-9_.:-]")
         if not 256 <= n_ctx <= 1 << 20:
             raise ConductorError("BAD_REQUEST", f"n_ctx must be in 256..1048576, got {n_ctx}")
@@ -176,7 +194,7 @@ class Conductor:
             gate = self._uid_gates.setdefault(owner, threading.Lock())
         try:
             with gate:   # one admission per user at a time: its share is checked against settled bookings
-                agent = self._register(agent_id, model, n_ctx, owner)
+                agent = self._register(agent_id, model, n_ctx, owner, kind, exact)
             if prefix is not None:
                 try:
                     self._attach_prefix(agent, prefix)
@@ -188,7 +206,8 @@ class Conductor:
             with self._lock:
                 self._pending.discard(ident)
 
-    def _register(self, agent_id: str, model: str | ModelSource, n_ctx: int, owner: int) -> Agent:
+    def _register(self, agent_id: str, model: str | ModelSource, n_ctx: int, owner: int, kind: Kind,
+                  exact: bool) -> Agent:
         source = model if isinstance(model, ModelSource) else named_source(model)
         try:
             with source.open() as (mf, sent), LoadableCopy(mf, sent) as fd:
@@ -199,8 +218,9 @@ class Conductor:
         except ModelLoadError as exc:
             raise ConductorError("MODEL_LOAD_FAILED", str(exc)) from None
         agent = Agent(agent_id, source.name, mf.path, n_ctx, loaded, est, mf, owner=owner,
-                      measured_bytes=measured)
-        self.scheduler.policy.seen(owner)     # about to DECODE: it shares the device from now
+                      measured_bytes=measured, kind=kind, exact=exact)
+        if kind is Kind.CONVERSATION:     # about to DECODE: it shares the device from now (a
+            self.scheduler.policy.seen(owner)   # reservation never decodes: it shares nothing)
         with self._lock:
             self.agents[(owner, agent_id)] = agent
         return agent
@@ -212,7 +232,7 @@ class Conductor:
                                  f"n_ctx={agent.n_ctx} leaves no room after it")
         key = f"{agent.owner}:{agent.file.key}:{tokens_hash(tokens)}"
         with self._lock:
-            shared = self.prefixes.setdefault(key, SharedPrefix(key, tokens))
+            shared = self.prefixes.setdefault(key, SharedPrefix(key, agent.owner, tokens))
             shared.agents.add(agent.key)
             agent.prefix = shared
 
@@ -228,7 +248,7 @@ class Conductor:
         if last:
             self.swap.release(f"prefix:{shared.key}")
             for pool in self.scheduler.pools.values():
-                pool.drop_document(shared.key)
+                pool.drop_document(shared.key, shared.owner)
 
     def _cap(self, ledger: Ledger, share: float, owner: int) -> int | None:
         return None if owner == self.admin else int(ledger.limit() * share)
@@ -364,7 +384,7 @@ class Conductor:
             return []
         cutoff = time.monotonic() - self.agent_ttl
         with self._lock:
-            stale = [a for a in self.agents.values() if a.last_used < cutoff and not a.holder]
+            stale = [a for a in self.agents.values() if a.last_used < cutoff and a.kind is Kind.CONVERSATION]
         expired = []
         for agent in stale:
             try:
@@ -383,12 +403,12 @@ class Conductor:
         return agent
 
     def _usable(self, agent_id: str, owner: int | None) -> Agent:
-        """get(), refusing the agent that books the HTTP server's pool: it leaves with the
-        server, not by a DECODE, RESET or UNREGISTER on the socket."""
+        """get(), refusing an agent that books a request pool: it leaves when that pool
+        closes, not by a DECODE, RESET or UNREGISTER on the socket."""
         agent = self.get(agent_id, owner)
-        if agent.holder:
-            raise ConductorError("BAD_REQUEST", f"agent {agent_id} books the HTTP server's pool; "
-                                 "it leaves when the server stops")
+        if agent.kind is Kind.RESERVATION:
+            raise ConductorError("BAD_REQUEST", f"agent {agent_id} books a request pool; "
+                                 "it leaves when that pool closes")
         return agent
 
     def owned_by(self, uid: int | None) -> list[Agent]:
@@ -441,31 +461,28 @@ class Conductor:
     # ---- what the scheduler asks of the conductor (on its thread) -------------------------
     def begin(self, run: Run) -> None:
         """The DECODE's first step: its prompt as tokens after the agent's conversation
-        (the pending token first), checked against the agent's n_ctx. An HTTP request's
-        tokens come after what its seat forked (kept.py)."""
+        (the pending token first), checked against the agent's n_ctx. A request's tokens
+        come after what its seat forked (kept.py); it was checked when submitted."""
         agent = run.agent
-        if agent.want is not None:
+        if agent.kind is Kind.REQUEST:
             run.cached = len(agent.history)
-            run.prompt_tokens, run.feed = len(agent.want), agent.want[len(agent.history):]
+            run.prompt_tokens, run.feed = len(agent.asked), agent.asked[len(agent.history):]
             run.n_history, run.pending, run.began = len(agent.history), None, True
             return
         new = agent.loaded.model.tokenize(run.prompt, add_special=not agent.history and agent.pending is None)
         tokens = ([agent.pending] if agent.pending is not None else []) + [int(t) for t in new]
         if not tokens:
             raise ConductorError("BAD_REQUEST", "the prompt is empty")
-        need = len(agent.history) + len(tokens) + run.max_tokens
-        if need > agent.n_ctx:
-            raise ConductorError("CONTEXT_FULL", f"agent {agent.id}: {len(agent.history)} tokens in "
-                                 f"context + {len(tokens)} new + max_tokens {run.max_tokens} = {need} > "
-                                 f"n_ctx {agent.n_ctx}; RESET it or register with a larger n_ctx")
+        check_context(agent.n_ctx, len(agent.history), len(tokens), run.max_tokens, f"agent {agent.id}",
+                      "RESET it or register with a larger n_ctx")
         run.prompt_tokens, run.feed = len(new), tokens
         run.n_history, run.pending = len(agent.history), agent.pending
         agent.pending, run.began = None, True
 
     def finished(self, run: Run) -> None:
-        """A DECODE has ended (the scheduler's thread). lmxd's agents keep their seats; an
-        HTTP request leaves its cells in the pool as cache (kept.py)."""
-        if run.agent.want is None:
+        """A DECODE has ended (the scheduler's thread). Conversations keep their seats; a
+        request leaves its cells in the pool as cache (kept.py)."""
+        if run.agent.kind is not Kind.REQUEST:
             return
         pool = self.scheduler.live
         if pool is not None and pool.is_open and pool.key == run.pool_key:
@@ -478,16 +495,41 @@ class Conductor:
         and every agent of those users: a pool is never sized for another user's agents
         that were only registered, so a REGISTER of a huge n_ctx costs only its owner."""
         with self._lock:
-            return [a for a in self.agents.values() if pool_key(a) == key and not a.holder
+            return [a for a in self.agents.values() if pool_key(a) == key and a.kind is Kind.CONVERSATION
                     and (sizing_for is None or a.decoded or a.owner in sizing_for)]
 
     def open_pool(self, key: PoolKey, loaded: Loaded) -> Pool:
-        """lmxd's pools are sized for their agents; the HTTP server's (key[2]) have the size
-        it booked and keep finished requests' cells."""
-        served = self.served_pool if key[2] else None
+        """Conversations' pools are sized for their agents; a request pool has the size its
+        reservation booked and keeps finished requests' cells."""
+        with self._lock:
+            fixed = self.request_pools.get(key) if key.requests else None
         return Pool(key, loaded, new_context=self._new_context, pause=self._pause,
-                    keep_prefix=self._keep_prefix, drop_saved=self._drop_saved, fixed=served,
-                    share_kept=self.share_prefixes, store=self.served_store if key[2] else None)
+                    keep_prefix=self._keep_prefix, drop_saved=self._drop_saved, fixed=fixed)
+
+    # ---- request pools (requests.py) ---------------------------------------------------------
+    def add_request_pool(self, reservation: Agent, fixed: Fixed) -> PoolKey:
+        """Settle the pool that `reservation` booked: its requests decode with these
+        settings. A second pool of the same key would be the same Pool: refused, and the
+        reservation freed."""
+        key = pool_key(reservation)
+        with self._lock:
+            duplicate = key in self.request_pools
+            if not duplicate:
+                self.request_pools[key] = fixed
+        if duplicate:
+            self._leave(reservation)
+            raise ConductorError("DUPLICATE_POOL", f"{reservation.model_name} already has "
+                                 f"{'an exact' if key.exact else 'a fast'} request pool on this conductor")
+        return key
+
+    def close_request_pool(self, reservation: Agent) -> None:
+        """Free a request pool's context and cells, then its reservation (its requests have
+        ended: the caller waited for them)."""
+        key, sched = pool_key(reservation), self.scheduler
+        sched.call(lambda: sched.drop([key] if key in sched.pools else []))
+        with self._lock:
+            self.request_pools.pop(key, None)
+        self._leave(reservation)
 
     def _keep_prefix(self, agent: Agent, snap: Snapshot) -> None:
         """The document's KV, computed once, kept in host RAM for every agent over it

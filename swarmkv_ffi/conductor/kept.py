@@ -1,8 +1,10 @@
-"""Cells a finished request left in its pool, kept as cache: the server's radix cache.
+"""What a request pool keeps of finished requests: their cells (the radix cache) and, below
+them, a store of shared prefixes that outlives the process.
 
-Every request of the OpenAI-compatible server (serve/) is a short-lived agent in its
-model's pool. When it finishes, its sequence is not freed: its cells stay, with the
-tokens they hold, until the pool needs the room (least recently used first). A new
+Every request submitted to a RequestPool (requests.py) is a short-lived agent in its
+model's request pool. When it finishes, its sequence is not freed: its cells stay, with
+the tokens they hold, until the pool needs the room (least recently used first; the
+bookkeeping of seats and kept sequences is Pool's, pool.py). A new
 request whose prompt starts with the same tokens as a kept sequence, or as a request
 still running, forks that many cells into its own sequence (`llama_memory_seq_cp`:
 the cells are shared, nothing is copied) and decodes only the rest. Sequences that
@@ -12,11 +14,16 @@ RadixAttention does, with llama.cpp's cells as the tree's storage.
 A kept sequence is matched only by requests of the owner that made it (unless the
 operator allows sharing): a prefix served from cache is faster, and that speed would
 tell one user what another has asked.
+
+`PrefixStore` is the interface a pool calls to keep long shared prefixes somewhere more
+lasting than its cells (serve/persist.py implements it on the prefix cache): the
+conductor owns the interface, so it never imports who implements it.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass
@@ -39,3 +46,20 @@ def longest_common_prefix(a: list[int], b: list[int]) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+class PrefixStore(Protocol):
+    """Long prefixes that requests share, kept outside the pool. Both calls run on the
+    scheduler's thread, between two steps, and must never fail a request: a store that
+    cannot work answers 0 or does nothing."""
+    min_tokens: int      # prefixes shorter than this are neither stored nor looked up
+
+    def recall(self, owner: int, tokens: list[int], ctx, seq: int, more_than: int) -> int:
+        """Restore into the empty `seq` the longest stored prefix of `tokens` (all but the
+        last) of `owner`'s, if longer than `more_than`; its length, else 0."""
+
+    def remember(self, owner: int, tokens: list[int], ctx, seq: int, n: int) -> None:
+        """`seq` holds exactly tokens[:n], a prefix another request shared: keep it."""
+
+    def flush(self) -> None:
+        """Wait until what remember() was handed is kept."""

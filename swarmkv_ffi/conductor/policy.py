@@ -15,14 +15,14 @@ samples. This module decides, from costs alone, so it can be tested with made-up
   caught up), idleness banks no more than IDLE_CREDIT (an occasional short request
   still runs ahead of a busy stream), and a user who has used more than the others
   keeps that debt however often it stops and starts (its DECODEs sit steps out).
-- **A step budget** (as chunked-prefill schedulers cap a step's tokens): while two or
+- **A step cap** (as chunked-prefill schedulers cap a step's tokens): while two or
   more users share the device, a step carries every decode row (or, with none, the
   shortest prompt) and only as many more prompt rows as keep its time within
   STEP_RATIO of a step of those alone, so one user's long prompt goes in chunk by chunk beside the
   others' decodes instead of as 512-row steps that stall them; one user alone gets
   steps of up to MAX_STEP_SECONDS, so whoever arrives waits for no more than that. Both come from the pool's own steps (StepCost: a fit
   of its decode-only steps, and the prompt rows steered by what shared steps really
-  took), so the budget follows the machine and the context depth it runs at: no row
+  took), so the cap follows the machine and the context depth it runs at: no row
   count tuned on one CPU.
 - **Growth per user**: a pool reopened larger for a user's new agents pauses everyone
   in it; a user may cause at most GROWS_PER_MINUTE such reopens a minute.
@@ -111,8 +111,8 @@ class StepCost:
 
 
 class Policy:
-    """Virtual time, the floor, the step budget and growth limits of every user.
-    step_tokens > 0 fixes the step budget at that many rows instead of STEP_RATIO."""
+    """Virtual time, the floor, the step cap and growth limits of every user.
+    step_tokens > 0 fixes the step cap at that many rows instead of STEP_RATIO."""
 
     def __init__(self, step_ratio: float = STEP_RATIO, step_tokens: int = 0, clock=time.monotonic,
                  lone_step_seconds: float | None = MAX_STEP_SECONDS):
@@ -121,26 +121,26 @@ class Policy:
         self.step_ratio, self.step_tokens = step_ratio, step_tokens
         self.lone_step_seconds = lone_step_seconds     # None: a user alone gets whole n_batch steps
         self._clock = clock
-        self._seen: dict[int, float] = {}           # uid -> when it last had a DECODE
+        self._seen: dict[int, float] = {}           # owner -> when it last had a DECODE
         self._grows: dict[int, deque] = {}
 
     # ---- virtual time ---------------------------------------------------------------------
-    def arrive(self, uid: int, active: set[int]) -> None:
-        """uid has a DECODE and had none queued or running; `active`: the users who do."""
-        others = active - {uid}
+    def arrive(self, owner: int, active: set[int]) -> None:
+        """owner has a DECODE and had none queued or running; `active`: the users who do."""
+        others = active - {owner}
         floor = min(self.key(u) for u in others) if others else self.floor
-        self.vtime[uid] = max(self.vtime.get(uid, floor - IDLE_CREDIT), floor - IDLE_CREDIT)
-        self.seen(uid)
+        self.vtime[owner] = max(self.vtime.get(owner, floor - IDLE_CREDIT), floor - IDLE_CREDIT)
+        self.seen(owner)
 
     def charge(self, costs: dict[int, float], active: set[int]) -> None:
         """Add each user's seconds; the floor follows the least-charged active user up."""
-        for uid, seconds in costs.items():
-            self.vtime[uid] = self.vtime.get(uid, self.floor) + seconds
+        for owner, seconds in costs.items():
+            self.vtime[owner] = self.vtime.get(owner, self.floor) + seconds
         if active:
             self.floor = max(self.floor, min(self.vtime.get(u, self.floor) for u in active))
 
-    def key(self, uid: int) -> float:
-        return self.vtime.get(uid, self.floor)
+    def key(self, owner: int) -> float:
+        return self.vtime.get(owner, self.floor)
 
     def stepping(self, owners: set[int]) -> set[int]:
         """The users whose runs take this step: all, but those more than SLICE_SECONDS ahead
@@ -154,15 +154,12 @@ class Policy:
     def by_rows(rows: dict[int, float], seconds: float) -> dict[int, float]:
         """A step's seconds split by the rows each user put in it."""
         total = sum(rows.values())
-        return {uid: seconds * n / total for uid, n in rows.items()} if total else {}
+        return {owner: seconds * n / total for owner, n in rows.items()} if total else {}
 
-    # ---- the step budget ------------------------------------------------------------------
-    def seen(self, uid: int) -> None:
-        self._seen[uid] = self._clock()
+    # ---- the step cap ------------------------------------------------------------------
+    def seen(self, owner: int) -> None:
+        self._seen[owner] = self._clock()
 
-    def forget(self, uid: int) -> None:
-        """uid will not DECODE (the server's own base agent): it shares nothing."""
-        self._seen.pop(uid, None)
 
     def sharing(self, users: set[int]) -> bool:
         """Two or more users have DECODEs now or had one within SHARING_WINDOW."""
@@ -171,7 +168,7 @@ class Policy:
         return len(users | recent) >= 2
 
     def step_rows(self, cost: StepCost, base_rows: int, n_batch: int, sharing: bool) -> int:
-        """Rows the next step may carry: n_batch for one user alone; else the budget over
+        """Rows the next step may carry: n_batch for one user alone; else the cap over
         `base_rows`, the rows whose pace the step keeps (the scheduler's: its decode rows,
         or, when none decodes, its shortest prompt, or none)."""
         if not sharing:
@@ -181,11 +178,11 @@ class Policy:
         return max(base_rows + 1, cost.rows_within(self.step_ratio, base_rows, n_batch))
 
     # ---- growth ---------------------------------------------------------------------------
-    def reopen(self, uid: int) -> bool:
-        """uid is about to cause a reopen of a pool (or a pause of another user's agent):
+    def reopen(self, owner: int) -> bool:
+        """owner is about to cause a reopen of a pool (or a pause of another user's agent):
         True, and counted, while it has caused fewer than GROWS_PER_MINUTE in the last
         minute; False, and nothing counted, when it must wait."""
-        recent = self._grows.setdefault(uid, deque())
+        recent = self._grows.setdefault(owner, deque())
         while recent and self._clock() - recent[0] > 60:
             recent.popleft()
         if len(recent) >= GROWS_PER_MINUTE:

@@ -30,22 +30,23 @@ room), so the pool holds no more KV than the agents' bookings in the ledger cove
 one agent's n_ctx; when agents leave and it holds more than that, it is `oversized`
 and reopened smaller.
 
-A pool of the OpenAI-compatible server (serve/) has a fixed size and keeps the cells of
-finished requests (`kept`, least recently used first out) so that a later request that
-starts with the same tokens forks them instead of decoding them again: a radix cache
-over the pool's cells, matched per owner (kept.py). A seat there still books its whole
+A request pool (requests.py: the pool a RequestPool opens, which serve/ submits to) has a
+fixed size and keeps the cells of finished requests (`kept`, least recently used first
+out) so that a later request that starts with the same tokens forks them instead of
+decoding them again: a radix cache over the pool's cells, matched per owner (kept.py). A seat there still books its whole
 n_ctx, whatever it forked: the sum of seats and kept entries bounds the cells in use
 however entries share cells, so evicting one can never overfill the pool.
 """
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from ..context import Context
 from ..snapshot import Snapshot
-from .kept import Kept, longest_common_prefix
+from .kept import Kept, PrefixStore, longest_common_prefix
 
 #: llama.cpp's LLAMA_MAX_SEQ: sequences one context can hold.
 MAX_SEQS = 256
@@ -55,15 +56,35 @@ MAX_SEQS = 256
 KEEP_MIN = 32
 
 
-#: (model file key, exact, served): the pool an agent decodes in.
-PoolKey = tuple[str, bool, bool]
+@dataclass(frozen=True)
+class Fixed:
+    """A request pool's settings (requests.py): its size, whether every owner may fork
+    every owner's kept cells, and the store of shared prefixes below them."""
+    cells: int
+    seqs: int
+    share: bool = False
+    store: PrefixStore | None = None
+
+
+class Kind(enum.Enum):
+    """What an agent is, which decides the pool it decodes in and how it ends."""
+    CONVERSATION = "conversation"   # lmxd's: registered, DECODEs continue its history
+    REQUEST = "request"             # one prompt (Agent.asked) run once in a request pool;
+                                    # it forks kept cells and leaves its own as cache
+    RESERVATION = "reservation"     # books a request pool's cells and weights; never decodes
+
+
+class PoolKey(NamedTuple):
+    """The pool an agent decodes in."""
+    model: str          # the model file's key
+    exact: bool         # batch-invariant kernels (prefix agents, requests of an exact pool)
+    requests: bool      # a request pool's (a fixed size, finished requests' cells kept)
 
 
 def pool_key(agent) -> PoolKey:
-    """The pool an agent decodes in: its model file; exact (prefix agents, and the HTTP
-    server's requests under --exact) or not; the HTTP server's (a fixed size, finished
-    requests' cells kept) or lmxd's."""
-    return agent.file.key, agent.prefix is not None or agent.exact, agent.want is not None
+    """The pool an agent decodes in: its model file; exact or not; a request pool's or one
+    of lmxd's pools sized for its conversations."""
+    return PoolKey(agent.file.key, agent.prefix is not None or agent.exact, agent.kind is not Kind.CONVERSATION)
 
 
 @dataclass
@@ -91,11 +112,11 @@ class Pool:
     keep_prefix(agent, snapshot), the document's host copy; drop_saved(agent)."""
 
     def __init__(self, key: PoolKey, loaded, *, new_context: Callable, pause: Callable,
-                 keep_prefix: Callable, drop_saved: Callable, fixed: tuple[int, int] | None = None,
-                 share_kept: bool = False, store=None):
-        self.key, self.loaded, self.exact = key, loaded, key[1]
-        self.fixed, self.share_kept = fixed, share_kept   # (cells, sequences); kept cells across owners
-        self.store = store                        # shared prefixes on disk (serve/persist.py), or None
+                 keep_prefix: Callable, drop_saved: Callable, fixed: Fixed | None = None):
+        self.key, self.loaded, self.exact = key, loaded, key.exact
+        self.fixed = fixed                        # a request pool's settings; None: sized for its agents
+        self.share_kept = fixed is not None and fixed.share
+        self.store = fixed.store if fixed is not None else None
         self._new_context, self._pause, self._keep_prefix = new_context, pause, keep_prefix
         self._drop_saved = drop_saved
         self.ctx: Context | None = None
@@ -116,10 +137,10 @@ class Pool:
     # ---- opening and closing ------------------------------------------------------------
     def size_for(self, agents: list) -> tuple[int, int]:
         """(cells, sequences) that seat every one of `agents` and their documents; an exact
-        pool also has the tomb, and one agent's n_ctx of cells for it to fill. A fixed pool
-        (the server's) has the size it was given."""
+        pool also has the tomb, and one agent's n_ctx of cells for it to fill. A request
+        pool has the size it was given."""
         if self.fixed is not None:
-            return self.fixed[0], min(MAX_SEQS, self.fixed[1] + self.exact)
+            return self.fixed.cells, min(MAX_SEQS, self.fixed.seqs + self.exact)
         prefixes = {a.prefix.key for a in agents if a.prefix is not None}
         seqs = len(agents) + len(prefixes) + self.exact
         cells = sum(a.n_ctx for a in agents) + (self.exact and max((a.n_ctx for a in agents), default=0))
@@ -202,7 +223,7 @@ class Pool:
                 kv_len, cells = len(agent.history), agent.n_ctx
                 self._drop_saved(agent)
                 entry.restored = True
-            elif agent.want is not None and not agent.history:
+            elif agent.kind is Kind.REQUEST and not agent.history:
                 kv_len, cells = self._fork_kept(agent, seq, entry), agent.n_ctx   # (books its whole n_ctx: see above)
             elif agent.prefix is not None and self._tokens_follow_document(agent):
                 entry.restored = self._fork_document(agent, seq)
@@ -268,47 +289,47 @@ class Pool:
                 yield other.history[:seat.kv_len], seat.seq
 
     def match(self, agent) -> tuple[int, int | None]:
-        """The longest prefix of agent.want this pool holds cells for, and the sequence
+        """The longest prefix of agent.asked this pool holds cells for, and the sequence
         holding it; at most all but the last token, whose logits the request needs."""
         best, best_seq = 0, None
         for tokens, seq in self._matches(agent):
-            n = min(longest_common_prefix(tokens, agent.want), len(agent.want) - 1)
+            n = min(longest_common_prefix(tokens, agent.asked), len(agent.asked) - 1)
             if n > best:
                 best, best_seq = n, seq
         return best, best_seq
 
     def coming(self, agent) -> int:
-        """The longest prefix of agent.want that a running request of its owner (or of
+        """The longest prefix of agent.asked that a running request of its owner (or of
         anyone, when shared) is about to decode but has not yet: worth waiting for."""
         best = 0
         for seat in self.seats.values():
             other = seat.agent
-            if other is agent or other.want is None or not self._shared_with(other.owner, agent):
+            if other is agent or other.kind is not Kind.REQUEST or not self._shared_with(other.owner, agent):
                 continue
-            n = min(longest_common_prefix(other.want, agent.want), len(agent.want) - 1)
+            n = min(longest_common_prefix(other.asked, agent.asked), len(agent.asked) - 1)
             if n > seat.kv_len:
                 best = max(best, n)
         return best
 
     def _fork_kept(self, agent, seq: int, entry: Entry) -> int:
-        """Fork the longest prefix of agent.want the pool holds into `seq`; or, when that
-        is short, restore a longer one from disk (serve/persist.py). A long prefix forked
-        from another request is one requests share: it goes to disk."""
+        """Fork the longest prefix of agent.asked the pool holds into `seq`; or, when that
+        is short, restore a longer one from the store (kept.PrefixStore). A long prefix
+        forked from another request is one requests share: it goes to the store."""
         n, src = self.match(agent)
         if self.store is not None and n < self.store.min_tokens:
-            got = self.store.recall(agent, self.ctx, seq, more_than=n)
+            got = self.store.recall(agent.owner, agent.asked, self.ctx, seq, more_than=n)
             if got:
-                agent.history = list(agent.want[:got])
+                agent.history = list(agent.asked[:got])
                 entry.restored = True
                 return got
         if n:
             self.ctx.seq_cp(src, seq, 0, n)
-            agent.history = list(agent.want[:n])
+            agent.history = list(agent.asked[:n])
             entry.forked = True
             if src in self.kept:
                 self.kept[src].last_used = time.monotonic()
             if self.store is not None:
-                self.store.remember(agent, self.ctx, seq, n)
+                self.store.remember(agent.owner, agent.asked, self.ctx, seq, n)
         return n
 
     def keep(self, agent) -> None:
@@ -364,12 +385,12 @@ class Pool:
             raise RuntimeError(f"sequence {seat.seq} holds {held} positions after the roll-back, "
                                f"expected {seat.kv_len}")
 
-    def drop_document(self, key: str) -> None:
-        """The document's last agent left: free its sequence."""
+    def drop_document(self, key: str, owner: int) -> None:
+        """The last agent of `owner`'s document `key` left: free its sequence."""
         if key in self.docs and self.ctx is not None:
             seq, cells = self.docs.pop(key)
             self.cells_free += cells
-            self._retire(seq, 0, int(key.split(":", 1)[0]))
+            self._retire(seq, 0, owner)
             self.free_seqs.append(seq)
 
     # ---- the tomb (exact pools) --------------------------------------------------------------

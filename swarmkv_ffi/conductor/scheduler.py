@@ -19,8 +19,8 @@ a pool is left after SLICE_SECONDS for one, so no DECODE holds the device foreve
 run that gave its place up rejoins where it was. Whoever makes a pool switch, reopen
 or rebuild pays for it, never the users it pauses.
 
-The HTTP server's requests (serve/) are runs too, of short-lived agents in pools of
-their own: they carry their sampler settings and a per-token callback (stop strings,
+Requests (requests.py, which serve/ submits to) are runs too, of short-lived agents in
+request pools: they carry their sampler settings and a per-token callback (stop strings,
 streaming, logprobs), and one whose opening a running request of its owner is decoding
 waits for it and forks its cells (kept.py) instead of decoding the same tokens beside it.
 
@@ -42,7 +42,7 @@ from ..batch import Batch
 from ..sampler import Sampler, logprobs
 from .common_prompts import PromptTrie
 from .policy import SLICE_SECONDS, Policy, StepCost
-from .pool import Pool, PoolKey, pool_key
+from .pool import Kind, Pool, PoolKey, pool_key
 
 log = logging.getLogger("lmxd")
 
@@ -92,7 +92,7 @@ class Run:
     sampling: dict = field(default_factory=dict)   # Sampler settings (temp, top_p, seed)
     top_logprobs: int | None = None   # report each token's logprob and this many alternatives
     on_token: Callable | None = None  # (token, logprobs or None) after each one; False ends the run
-    cached: int = 0               # prompt tokens whose cells were forked, not decoded (serve)
+    cached: int = 0               # prompt tokens whose cells were forked, not decoded (a request)
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -133,6 +133,11 @@ class Scheduler:
     # ---- the request threads' side ----------------------------------------------------------
     def submit(self, run: Run) -> None:
         """Queue `run` and wait for its reply (run.done)."""
+        self.enqueue(run)
+        run.done.wait()
+
+    def enqueue(self, run: Run) -> None:
+        """Queue `run`; run.done is set when it has ended. Raises Stopping once closed."""
         with self._cv:
             if self._closed:
                 raise Stopping()
@@ -144,7 +149,6 @@ class Scheduler:
             self._waiting.append(run)
             self._start()
             self._cv.notify_all()
-        run.done.wait()
 
     def call(self, fn: Callable, agent=None):
         """Run fn() on the scheduler's thread between two steps, once `agent` (if given)
@@ -396,11 +400,11 @@ class Scheduler:
 
     @staticmethod
     def _prefix_coming(pool: Pool, run: Run) -> bool:
-        """A server request whose opening a running request is decoding right now waits
-        for it and forks its cells (kept.py): requests sent together over one document
-        prefill it once."""
+        """A request whose opening a running request is decoding right now waits for it
+        and forks its cells (kept.py): requests sent together over one document prefill
+        it once."""
         agent = run.agent
-        if agent.want is None or agent.history or pool.seat_of(agent) is not None:
+        if agent.kind is not Kind.REQUEST or agent.history or pool.seat_of(agent) is not None:
             return False
         return pool.coming(agent) >= pool.match(agent)[0] + WAIT_FOR_PREFIX
 
@@ -465,7 +469,7 @@ class Scheduler:
     def _step(self) -> None:
         """One llama_decode for the batch: one token of each decoding run, then prompts and
         re-reads (DECODEs starting together from one point with their common tokens once,
-        common_prompts.py), the shortest first, in what the step budget leaves (policy.py:
+        common_prompts.py), the shortest first, in what the step cap leaves (policy.py:
         kept within its ratio of the decode rows alone, or, with none, of the shortest
         prompt alone); each user is charged the step's time by the rows it put in."""
         pool = self.live
@@ -478,27 +482,27 @@ class Scheduler:
         decoding = [r for r in runs if self._input_len(pool, r) == 1]
         prompts = sorted((r for r in runs if self._input_len(pool, r) > 1),
                          key=lambda r: (self._input_len(pool, r), self._order(r)))
-        # The rows whose pace the budget keeps: the decode rows; with none, the shortest
+        # The rows whose pace the cap keeps: the decode rows; with none, the shortest
         # prompt when two users' prompts share the step; else none (then a step stays
         # short, so a user coming back meets no 512-row step in flight).
         several = len({r.owner for r in runs}) > 1
         base = len(decoding) or (min(self._input_len(pool, r) for r in prompts) if several else 0)
-        budget = min(ctx.n_batch, self.policy.step_rows(self._cost(pool), base, ctx.n_batch,
+        room = min(ctx.n_batch, self.policy.step_rows(self._cost(pool), base, ctx.n_batch,
                                                          self.policy.sharing(self._active())))
         for run in decoding:
-            budget -= self._add_input(pool, batch, plan, rows, run, budget)
+            room -= self._add_input(pool, batch, plan, rows, run, room)
         groups, rest = self._starting_together(pool, prompts)
         for group in groups:
             trie = PromptTrie([(id(run), seat.seq, run.feed) for run, seat in group])
-            if trie.size > budget:
+            if trie.size > room:
                 rest += [run for run, _ in group]
                 continue
             found = trie.add_to(batch, group[0][1].kv_len)
             plan += [(run, seat, len(run.feed), found[id(run)]) for run, seat in group]
             rows[group[0][0].owner] = rows.get(group[0][0].owner, 0) + trie.size
-            budget -= trie.size
+            room -= trie.size
         for run in rest:
-            budget -= self._add_input(pool, batch, plan, rows, run, budget)
+            room -= self._add_input(pool, batch, plan, rows, run, room)
         if not plan:
             return
         t0 = time.perf_counter()
@@ -520,11 +524,11 @@ class Scheduler:
             if row >= 0:
                 self._sample(run, ctx, row)
 
-    def _add_input(self, pool: Pool, batch, plan: list, rows: dict, run: Run, budget: int) -> int:
-        """Put up to `budget` of the run's next input tokens into the batch; returns how many."""
+    def _add_input(self, pool: Pool, batch, plan: list, rows: dict, run: Run, room: int) -> int:
+        """Put up to `room` of the run's next input tokens into the batch; returns how many."""
         seat = pool.seat_of(run.agent)
         wanted = run.agent.history[seat.kv_len:] + run.feed
-        take = wanted[:max(0, budget)]
+        take = wanted[:max(0, room)]
         if not take:
             return 0
         last = len(take) == len(wanted)

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Protocol
 
 from ..errors import SwarmKVError, describe
 from . import protocol
@@ -491,39 +492,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of --step-ratio, a fixed cap on the rows of a step while users "
                         "share the device (0: use --step-ratio; default 0)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per context")
-    http = p.add_argument_group("the HTTP front (OpenAI-compatible, as swarmkv serve; docs/serve.md)")
-    http.add_argument("--http", default=None, metavar="HOST:PORT",
-                      help="also serve the OpenAI API here, on this daemon's engine and ledger")
-    http.add_argument("--http-model", default="smollm2-135m",
-                      help="the model it serves: a packaged short name or a path (default: %(default)s)")
-    http.add_argument("--http-api-key-file", type=Path, default=None,
-                      help="one key per line: each key a principal (required off loopback)")
-    http.add_argument("--http-ctx-size", type=int, default=32768, help="its pool's KV cells (default 32768)")
-    http.add_argument("--http-parallel", type=int, default=64, help="its pool's sequences (default 64)")
-    http.add_argument("--http-exact", action="store_true", help="batch-invariant answers")
-    http.add_argument("--http-share-prefixes", action="store_true",
-                      help="let every key fork every key's cached prefixes")
-    http.add_argument("--http-cache-dir", type=Path, default=None, metavar="DIR",
-                      help="keep shared prefixes on disk in this folder of the daemon's (as swarmkv "
-                           "serve --cache-dir); a full or read-only folder only logs a warning")
     p.add_argument("-v", "--verbose", action="store_true", help="also show libllama's log")
     return p
 
 
-def start_http(args, conductor: Conductor):
-    """lmxd --http: the OpenAI-compatible front on this daemon's conductor."""
-    from ..serve.cli import Front, keys_for
-    host, sep, port = args.http.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"--http takes HOST:PORT, got {args.http!r}")
-    keys = keys_for(host, None, args.http_api_key_file)
-    return Front(conductor, args.http_model, host, int(port), keys, cells=args.http_ctx_size,
-                 seqs=args.http_parallel, exact=args.http_exact, share_prefixes=args.http_share_prefixes,
-                 cache_dir=args.http_cache_dir)
+class Front(Protocol):
+    """What the daemon may be handed to serve beside its socket (lmxd.py hands it the
+    OpenAI API of serve/): its flags, and a start on the daemon's conductor that returns something
+    to stop() once the socket has drained, or None when its flags did not ask for it."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def start(self, args: argparse.Namespace, conductor: Conductor): ...
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, front: Front | None = None) -> int:
+    """lmxd: the socket server, and `front` beside it if handed one."""
+    parser = build_parser()
+    if front is not None:
+        front.add_arguments(parser)
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("swarmkv_ffi.llama").setLevel(logging.INFO if args.verbose else logging.CRITICAL)
@@ -554,21 +542,17 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(Path(args.socket), conductor, memory, set(args.allow_uid), args.line_cap,
                         args.max_clients, args.idle_timeout, Access(conductor.admin, args.models_dir),
                         args.shutdown_grace)
-        front = start_http(args, conductor) if args.http else None
+        started = front.start(args, conductor) if front is not None else None
         signal.signal(signal.SIGTERM, server.stop)
         signal.signal(signal.SIGINT, server.stop)
         try:
             server.serve_forever()
         finally:
-            if front is not None:
-                front.stop()
+            if started is not None:
+                started.stop()
     except (DaemonError, ValueError, OSError, SwarmKVError) as exc:
         print(f"lmxd: error: {describe(exc)}", file=sys.stderr)
         return 2
     conductor.close()
     memory.close()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,10 @@
-"""API keys and the principals they stand for.
+"""API keys and the owners they stand for.
 
-Each key is one principal: lmxd's fair share, in-flight quota and cache isolation are
-per principal, as they are per uid on lmxd's socket. Principals are numbered from
-PRINCIPAL_BASE, above every 32-bit uid, so that under lmxd --http they never collide
-with a user of the socket. Without keys every request
-is the one principal OPEN (the server then listens on loopback only, unless told).
+Each key is one owner, the conductor's name for the party a request belongs to (a uid on
+lmxd's socket): the fair share, the in-flight quota and cache isolation are per owner.
+Keys' owners are numbered from OWNER_BASE, above every 32-bit uid, so that under lmxd
+--http they never collide with a user of the socket. Without keys every request is the
+one owner OPEN (the server then listens on loopback only, unless told).
 A key file holds one key per line, optionally followed by a name used in logs;
 blank lines and lines starting with # are skipped.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 import hmac
 from pathlib import Path
 
-PRINCIPAL_BASE = 1 << 40
-OPEN = PRINCIPAL_BASE
+OWNER_BASE = 1 << 40
+OPEN = OWNER_BASE
 
 
 class Keys:
@@ -39,15 +39,15 @@ class Keys:
         return cls(keys)
 
     def mapping(self) -> dict[str, str]:
-        """key -> name, in order (the same principals when another process rebuilds it)."""
+        """key -> name, in order (the same owners when another process rebuilds it)."""
         return dict(self._keys)
 
     @property
     def required(self) -> bool:
         return bool(self._keys)
 
-    def principal(self, authorization: str | None) -> int | None:
-        """The principal of an `Authorization: Bearer KEY` header, or None. Every key is
+    def owner(self, authorization: str | None) -> int | None:
+        """The owner of an `Authorization: Bearer KEY` header, or None. Every key is
         compared in constant time, so the answer's time tells nothing of the keys."""
         if not self._keys:
             return OPEN
@@ -55,8 +55,8 @@ class Keys:
         found = None
         for i, (key, _) in enumerate(self._keys):
             if hmac.compare_digest(given, key.encode()):
-                found = PRINCIPAL_BASE + 1 + i
+                found = OWNER_BASE + 1 + i
         return found
 
-    def name(self, principal: int) -> str:
-        return "open" if principal == OPEN else self._keys[principal - PRINCIPAL_BASE - 1][1]
+    def name(self, owner: int) -> str:
+        return "open" if owner == OPEN else self._keys[owner - OWNER_BASE - 1][1]

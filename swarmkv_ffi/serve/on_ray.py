@@ -29,8 +29,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from ray.exceptions import RayActorError      # a replica that died, or whose node went
 
-from .app import capped_body, error_body, error_response, sse
-from .engine import Refused
+from .errors import Refused, error_body, refused_response
+from .responses import sse
+from .routes import capped_body
+from .settings import Settings
 
 log = logging.getLogger("swarmkv.serve")
 
@@ -142,14 +144,14 @@ async def _next_message(sent: asyncio.Queue, task: asyncio.Task) -> dict:
 class Replica:
     """A Serve replica: one `swarmkv serve` app over its own engine, on its node's cores."""
 
-    def __init__(self, model: str, name: str, keys: dict[str, str], engine: dict, app: dict):
+    def __init__(self, settings: Settings, keys: dict[str, str], threads: int, budget_bytes: int | None):
         from ray import serve
 
         from .app import create_app
         from .engine import ServeEngine
         from .keys import Keys
-        self.engine = ServeEngine(model, **engine)
-        self.app = create_app(self.engine, name, Keys(keys), **app)
+        self.engine = ServeEngine(settings, threads=threads, budget_bytes=budget_bytes)
+        self.app = create_app(self.engine, Keys(keys), settings)
         self.id = serve.get_replica_context().replica_id.unique_id
 
     async def __call__(self, request: Forwarded):
@@ -183,7 +185,7 @@ def ingress(max_body_bytes: int, shared: bool):
             try:
                 body = await capped_body(request, max_body_bytes)
             except Refused as exc:
-                return error_response(exc.status, str(exc), exc.code)
+                return refused_response(exc)
             forwarded = Forwarded.of(request.method, request.url.path, request.url.query.encode(),
                                      request.headers.items(), body, shared)
             for attempt in range(2):
@@ -196,7 +198,8 @@ def ingress(max_body_bytes: int, shared: bool):
                     continue
                 return StreamingResponse(self.rest(stream, headers), status_code=status,
                                          headers={k: v for k, v in headers if k.lower() != "content-length"})
-            return error_response(503, "the replicas that took this request died; try again", "replica_lost")
+            return refused_response(Refused(503, "the replicas that took this request died; try again",
+                                            "replica_lost"))
 
         async def rest(self, stream, headers):
             try:
@@ -208,35 +211,33 @@ def ingress(max_body_bytes: int, shared: bool):
     return Ingress
 
 
-def application(args, keys: dict[str, str]):
+def application(args, settings: Settings, keys: dict[str, str]):
     """The Serve application `swarmkv serve --ray` runs: the ingress bound to --replicas
-    replicas, each on --threads CPUs (one by default) and routed as --route says."""
+    replicas, each a whole server with `settings` on --threads CPUs (one by default),
+    routed as --route says."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from .cli import engine_options
     from .routing import PrefixRouter
     threads = args.threads or 1                 # the CPUs each replica asks Ray for, and uses
-    engine = {**engine_options(args), "threads": threads}
-    app = dict(max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens)
     options = dict(name="engine", num_replicas=args.replicas, ray_actor_options={"num_cpus": threads},
-                   max_ongoing_requests=args.max_requests, health_check_period_s=2)
+                   max_ongoing_requests=settings.max_requests, health_check_period_s=2)
     if args.route == "prefix":
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=PrefixRouter, request_router_kwargs={"imbalance": args.route_imbalance})
-    replica = serve.deployment(**options)(Replica).bind(args.model, args.name or args.model, keys, engine, app)
-    return ingress(args.max_body_bytes, args.share_prefixes).bind(replica)
+    replica = serve.deployment(**options)(Replica).bind(settings, keys, threads, args.budget_bytes)
+    return ingress(settings.max_body_bytes, settings.share_prefixes).bind(replica)
 
 
-def run(args, keys: dict[str, str]) -> int:
+def run(args, settings: Settings, keys: dict[str, str]) -> int:
     """Connect to (or start) Ray, run the application until SIGINT/SIGTERM, shut it down."""
     from ray import serve
 
     from ..distributed import connect
     connect(None if args.ray == "local" else args.ray)
     serve.start(http_options={"host": args.host, "port": args.port, "location": "HeadOnly"})
-    serve.run(application(args, keys), name="swarmkv", route_prefix="/")
-    print(f"swarmkv serve: {args.name or args.model} on Ray Serve, {args.replicas} replicas routed by "
+    serve.run(application(args, settings, keys), name="swarmkv", route_prefix="/")
+    print(f"swarmkv serve: {settings.served_name} on Ray Serve, {args.replicas} replicas routed by "
           f"{args.route}, on http://{args.host}:{args.port}/v1", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

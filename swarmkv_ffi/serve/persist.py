@@ -1,12 +1,14 @@
 """Shared prefixes on disk: a restarted server answers a known document without prefilling it.
 
+The conductor's kept.PrefixStore, on the prefix cache (prefix_cache.py).
+
 When a request forks a prefix of RECALL_MIN tokens or more from another request's cells,
 that prefix is one that requests share (a document, a system prompt, a conversation's
 opening): its KV state is captured (the request's sequence holds exactly it at that
 moment) and written to the prefix cache (prefix_cache.py) by a thread of its own, keyed
-by the model, the pool's KV layout, the tokens and the principal. A request whose pool
+by the model, the pool's KV layout, the tokens and the owner. A request whose pool
 holds less than RECALL_MIN tokens of its prompt looks for the longest stored prefix of
-it, of its own principal, and restores it instead of decoding it.
+it, of its own owner, and restores it instead of decoding it.
 
 A store that fails (a full disk, a read-only folder) logs one line and the server goes
 on; a corrupt entry is dropped by the cache with a notice. Nothing here can fail a request.
@@ -29,24 +31,25 @@ RECALL_MIN = 256
 
 
 class PrefixStore:
+    """kept.PrefixStore on a PrefixCache, with a writer thread of its own."""
     min_tokens = RECALL_MIN
 
     def __init__(self, cache: PrefixCache):
         self.cache = cache
-        self._stored: set[tuple[int, str]] = set()          # (principal, tokens hash) written or queued
+        self._stored: set[tuple[int, str]] = set()          # (owner, tokens hash) written or queued
         self._queue: queue.Queue = queue.Queue(maxsize=4)
         self._thread = threading.Thread(target=self._write, name="serve-prefix-store", daemon=True)
         self._thread.start()
 
     @staticmethod
     def _signature(ctx, owner: int) -> dict:
-        return {**context_signature(ctx), "principal": owner}
+        return {**context_signature(ctx), "owner": owner}
 
-    def remember(self, agent, ctx, seq: int, n: int) -> None:
-        """`seq` holds exactly agent.want[:n], a prefix another request shared: store it
-        once (on the scheduler's thread only the capture; the write is the writer's)."""
-        tokens = agent.want[:n]
-        ident = (agent.owner, tokens_hash(tokens))
+    def remember(self, owner: int, tokens: list[int], ctx, seq: int, n: int) -> None:
+        """`seq` holds exactly tokens[:n], a prefix another request shared: store it once
+        (on the scheduler's thread only the capture; the write is the writer's)."""
+        tokens = tokens[:n]
+        ident = (owner, tokens_hash(tokens))
         if n < RECALL_MIN or ident in self._stored or self._queue.full():
             return
         self._stored.add(ident)
@@ -55,22 +58,22 @@ class PrefixStore:
         except SwarmKVError as exc:
             log.warning("prefix store: capture of %d tokens failed (%s); answers are unaffected", n, describe(exc))
             return
-        self._queue.put((snap, self._signature(ctx, agent.owner)))
+        self._queue.put((snap, self._signature(ctx, owner)))
 
-    def recall(self, agent, ctx, seq: int, more_than: int) -> int:
-        """Restore into the empty `seq` the longest stored prefix of agent.want (all but
-        its last token) of its principal, if longer than `more_than`; its length, else 0."""
-        if len(agent.want) <= RECALL_MIN:
+    def recall(self, owner: int, tokens: list[int], ctx, seq: int, more_than: int) -> int:
+        """Restore into the empty `seq` the longest stored prefix of `tokens` (all but the
+        last) of `owner`'s, if longer than `more_than`; its length, else 0."""
+        if len(tokens) <= RECALL_MIN:
             return 0
         try:
-            snap = self.cache.lookup(ctx.model.fingerprint, self._signature(ctx, agent.owner), agent.want[:-1])
+            snap = self.cache.lookup(ctx.model.fingerprint, self._signature(ctx, owner), tokens[:-1])
             if snap is None or snap.header.n_tokens <= more_than:
                 return 0
             snap.restore(ctx, seq)
         except (SwarmKVError, OSError) as exc:
             log.warning("prefix store: lookup failed (%s); decoding the prompt instead", describe(exc))
             return 0
-        self._stored.add((agent.owner, tokens_hash(agent.want[:snap.header.n_tokens])))
+        self._stored.add((owner, tokens_hash(tokens[:snap.header.n_tokens])))
         return snap.header.n_tokens
 
     def _write(self) -> None:

@@ -1,14 +1,19 @@
-"""The request bodies of the OpenAI API that the server takes, validated by pydantic.
+"""The OpenAI API's shapes that the server takes and gives, as pydantic types.
 
-Fields the server does not act on (tools, response_format, user, metadata, …) are
-accepted and ignored, as agents send them; the ones it acts on are checked here, so a
-bad value is a 400 naming the field before any work starts.
+Requests: fields the server does not act on (tools, response_format, user, metadata, …)
+are accepted and ignored, as agents send them; the ones it acts on are checked here, so
+a bad value is a 400 naming the field before any work starts.
+
+Responses: chat.completion, chat.completion.chunk, text_completion, the model list and
+the error object, as OpenAI writes them: a field OpenAI leaves out when it has nothing
+to say (a chunk's `usage` unless the client asked for it, a delta's role) is left out
+when it was not given, not sent as null.
 """
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 MAX_N = 16
 MAX_STOP = 4
@@ -99,3 +104,133 @@ class CompletionRequest(Sampling):
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+class Shape(BaseModel):
+    """A response object; the fields in `omit_unset` are left out unless given."""
+    omit_unset: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit(self, handler):
+        out = handler(self)
+        return {k: v for k, v in out.items() if k not in self.omit_unset or k in self.model_fields_set}
+
+
+class CachedTokens(Shape):
+    cached_tokens: int
+
+
+class Usage(Shape):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: CachedTokens
+
+
+class TopLogprob(Shape):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Shape):
+    content: list[TokenLogprob]
+
+
+class ChatMessage(Shape):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(Shape):
+    index: int
+    message: ChatMessage
+    logprobs: Optional[ChatLogprobs]
+    finish_reason: str
+
+
+class ChatCompletion(Shape):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: Optional[str] = None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(Shape):
+    omit_unset = frozenset({"role", "content"})
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChunkChoice(Shape):
+    index: int
+    delta: Delta
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatChunk(Shape):
+    omit_unset = frozenset({"usage"})
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: Optional[str] = None
+    choices: list[ChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class CompletionLogprobs(Shape):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(Shape):
+    index: int
+    text: str
+    finish_reason: Optional[str]
+    logprobs: Optional[CompletionLogprobs]
+
+
+class Completion(Shape):
+    omit_unset = frozenset({"usage"})
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(Shape):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "swarmkv"
+
+
+class ModelList(Shape):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(Shape):
+    message: str
+    type: str
+    param: Optional[str]
+    code: Optional[str]
+
+
+class ErrorBody(Shape):
+    error: ErrorDetail

@@ -1,0 +1,122 @@
+"""Request pools: the conductor's public door for one-shot requests (what serve/ uses).
+
+A RequestPool books one model's pool once (its weights and every cell, in the ledger,
+through a RESERVATION agent) and then runs requests in it:
+
+    pool = RequestPool(conductor, "smollm2-135m", cells=32768, seqs=64)
+    request = pool.submit(owner, tokens, max_tokens, sampling={"temp": 0.7, "seed": 1})
+    result = request.result()        # blocks; request.cancel() rolls it back instead
+    pool.close()
+
+Each request is a short-lived agent of kind REQUEST, of its owner: the scheduler seats it
+in the pool, where it forks the longest prefix of its tokens the pool holds (kept.py:
+another request's cells, the owner's own unless the pool shares them) and decodes the
+rest beside every other running request in one batch; when it ends its cells stay as
+cache. Fairness between owners, admission and eviction are the conductor's as for its
+conversations (policy.py, ledger.py, pool.py); the caller only says who asks what.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from .agents import Agent, Conductor, ConductorError, check_context
+from .kept import PrefixStore
+from .pool import MAX_SEQS, Fixed, Kind
+from .scheduler import Run
+
+_pool_ids = itertools.count(1)
+
+
+@dataclass
+class RequestResult:
+    """How a request ended: the tokens it generated, how many prompt tokens it forked
+    instead of decoding, and whether it stopped on end-of-generation."""
+    generated: list[int]
+    cached: int
+    stopped_on_eog: bool
+
+
+class Request:
+    """A submitted request: cancel() rolls it back (the client left), result() waits."""
+
+    def __init__(self, run: Run, cancelled: threading.Event):
+        self._run, self._cancelled = run, cancelled
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def result(self) -> RequestResult:
+        """Wait for the end; raises scheduler.Stopping (the conductor stopped first), a
+        ConductorError (a request it cannot run) or what failed it."""
+        run = self._run
+        run.done.wait()
+        if run.error is not None:
+            raise run.error
+        return RequestResult(list(run.generated), run.cached, run.stopped_on_eog)
+
+
+class RequestPool:
+    """One model's request pool on `conductor`: `cells` KV cells and `seqs` sequences for
+    running requests and kept prefixes together; `exact`: batch-invariant kernels;
+    `share`: every owner may fork every owner's kept cells; `store`: long shared
+    prefixes kept below the cells (kept.PrefixStore), or None."""
+
+    def __init__(self, conductor: Conductor, model: str, *, cells: int = 32768, seqs: int = 64,
+                 exact: bool = False, share: bool = False, store: PrefixStore | None = None):
+        if not 2 <= seqs <= MAX_SEQS - 1:
+            raise ValueError(f"a request pool takes 2..{MAX_SEQS - 1} sequences, got {seqs}")
+        self.conductor, self.exact = conductor, exact
+        self.reservation = conductor.register(f"#requests-{next(_pool_ids)}", model, n_ctx=cells,
+                                              kind=Kind.RESERVATION, exact=exact)
+        self.key = conductor.add_request_pool(self.reservation, Fixed(cells, seqs, share, store))
+        self.cells = cells
+        self._ids = itertools.count(1)
+
+    @property
+    def model(self):
+        """The loaded Model (tokenizer, chat template, token bytes)."""
+        return self.reservation.loaded.model
+
+    @property
+    def path(self):
+        return self.reservation.path
+
+    @property
+    def max_context(self) -> int:
+        """A request's prompt plus max_tokens may take at most this many cells."""
+        return min(self.cells, self.model.n_ctx_train) - 1
+
+    def check(self, n_prompt: int, max_tokens: int) -> None:
+        """Raise agents.ContextFull unless a prompt of n_prompt tokens and max_tokens more fit."""
+        check_context(self.max_context, 0, n_prompt, max_tokens, "the request",
+                      "shorten the prompt or ask for fewer tokens")
+
+    def submit(self, owner: int, tokens: list[int], max_tokens: int, *, sampling: dict | None = None,
+               top_logprobs: int | None = None, on_token: Callable[[int, object], bool] | None = None,
+               cancelled: threading.Event | None = None) -> Request:
+        """Queue one request of `owner`'s. on_token(token, logprobs or None) runs on the
+        scheduler's thread after each generated token and returns False to end the
+        request there (a stop string); `cancelled`, once set, rolls it back. Raises
+        ContextFull when it cannot fit, Stopping once the conductor stops."""
+        if not tokens:
+            raise ConductorError("BAD_REQUEST", "the prompt is empty")
+        self.check(len(tokens), max_tokens)
+        cancelled = cancelled or threading.Event()
+        run = Run(self._agent(owner, tokens, max_tokens), owner, "", max_tokens, cancelled.is_set,
+                  sampling=dict(sampling or {}), top_logprobs=top_logprobs, on_token=on_token)
+        self.conductor.scheduler.enqueue(run)
+        return Request(run, cancelled)
+
+    def _agent(self, owner: int, tokens: list[int], max_tokens: int) -> Agent:
+        """The request as an agent of the reserved model, as long as it may grow."""
+        base = self.reservation
+        return Agent(f"request-{next(self._ids)}", base.model_name, base.path, len(tokens) + max_tokens + 1,
+                     base.loaded, base.estimate, base.file, owner=owner, kind=Kind.REQUEST,
+                     asked=list(tokens), exact=self.exact, decoded=True)
+
+    def close(self) -> None:
+        """Free the pool and its booking. Call once no request of it is running."""
+        self.conductor.close_request_pool(self.reservation)

@@ -1,0 +1,119 @@
+"""One HTTP request in flight: its choices, run on the engine, their events for the loop.
+
+A request with n choices over P prompts is P x n Jobs (engine.py). Each runs on a thread
+of its own (the engine blocks until its choice ends); the tokens it generates are turned
+into text as they come (text.py: stop strings) on the scheduler's thread, and handed to
+the event loop through a queue only when the response streams.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from .engine import Job, ServeEngine
+from .errors import refused
+from .schemas import CachedTokens, Sampling, TokenLogprob, TopLogprob, Usage
+from .text import TextStream
+
+
+class Choice:
+    """One choice as it is produced: its text so far, logprobs, how it ended."""
+
+    def __init__(self, index: int, stream: TextStream):
+        self.index, self.text = index, stream
+        self.logprobs: list[TokenLogprob] = []
+        self.logprobs_sent = 0            # entries already streamed
+        self.result, self.error = None, None
+
+    def finish_reason(self) -> str:
+        if self.text.stopped or self.result.stopped_on_eog:
+            return "stop"
+        return "length"
+
+
+class Call:
+    """One request's choices, of `owner`'s, each with `max_tokens`."""
+
+    def __init__(self, engine: ServeEngine, owner: int, body: Sampling, prompts: list[list[int]],
+                 max_tokens: int, loop: asyncio.AbstractEventLoop):
+        self.engine, self.owner, self.body = engine, owner, body
+        self.prompts, self.max_tokens = prompts, max_tokens
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.loop = loop
+        self.choices: list[Choice] = []
+        self.jobs: list[Job] = []
+
+    def start(self) -> None:
+        """Admit every choice (or refuse the request whole) and start them."""
+        n = self.body.n
+        self.engine.admit(self.owner, n * len(self.prompts))
+        for p, tokens in enumerate(self.prompts):
+            for k in range(n):
+                choice = Choice(p * n + k, TextStream(self.engine.model, self.body.stops()))
+                job = Job(self.owner, tokens, self.max_tokens, self._on_token(choice),
+                          sampling=self.body.settings(k), top_logprobs=self.body.ranked())
+                self.choices.append(choice)
+                self.jobs.append(job)
+                threading.Thread(target=self._run, args=(choice, job), daemon=True,
+                                 name=f"serve-choice-{choice.index}").start()
+
+    def _on_token(self, choice: Choice):
+        """Runs on the scheduler's thread, between two steps: it wakes the event loop only
+        for a stream (on two cores, a thread woken per token slows every step)."""
+        stream = self.body.stream
+
+        def on_token(token: int, ranked) -> bool:
+            piece = choice.text.feed(token)
+            if ranked is not None:
+                choice.logprobs.append(self._logprob_entry(token, ranked))
+            if stream:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, ("text", choice, piece))
+            return not choice.text.stopped
+        return on_token
+
+    def _logprob_entry(self, token: int, ranked) -> TokenLogprob:
+        model = self.engine.model
+        lp, top = ranked
+
+        def item(t: int, p: float) -> TopLogprob:
+            raw = model.token_bytes(t)
+            return TopLogprob(token=raw.decode("utf-8", "replace"), logprob=p, bytes=list(raw))
+        return TokenLogprob(**dict(item(token, lp)), top_logprobs=[item(t, p) for t, p in top])
+
+    def _run(self, choice: Choice, job: Job) -> None:
+        try:
+            choice.result = self.engine.run(job)
+            tail = choice.text.flush()
+            if self.body.stream:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, ("text", choice, tail))
+        except BaseException as exc:     # reported to the client, not raised on a thread
+            choice.error = refused(exc)
+        finally:
+            self.engine.leave(self.owner, 1)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, ("end", choice, None))
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancelled.set()
+
+    async def events(self):
+        """(kind, choice, text) until every choice has ended: 'text' pieces, then 'end'."""
+        left = len(self.choices)
+        while left:
+            kind, choice, text = await self.queue.get()
+            left -= kind == "end"
+            yield kind, choice, text
+
+    def failure(self):
+        """The first choice's error (a Refused), or None."""
+        return next((c.error for c in self.choices if c.error is not None), None)
+
+    def usage(self) -> Usage:
+        """Tokens of the whole request; a prompt's cached tokens counted once, by its
+        first choice (the others fork it)."""
+        n = self.body.n
+        firsts = [c for c in self.choices if c.index % n == 0 and c.result is not None]
+        prompt = sum(len(p) for p in self.prompts)
+        done = sum(len(c.result.generated) for c in self.choices if c.result is not None)
+        return Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done,
+                     prompt_tokens_details=CachedTokens(cached_tokens=sum(c.result.cached for c in firsts)))

@@ -1,0 +1,94 @@
+"""Every failure as OpenAI's error JSON: the one place that shapes them (app and on_ray).
+
+    400 a malformed body, a bad field, a prompt over the context (with the numbers)
+    401 a missing or wrong key          404 an unknown model or route
+    413 a body over --max-body-bytes    429 a key over its share
+    500 a library error (e.g. a model with no chat template)
+    503 a server that is full or stopping, or a request that failed while running
+"""
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from ..conductor.agents import ConductorError, ContextFull
+from ..conductor.scheduler import Stopping
+from ..errors import SwarmKVError
+from .schemas import ErrorBody, ErrorDetail
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+
+
+class Refused(Exception):
+    """A request the server will not run; `status` is the HTTP status it maps to."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.param = status, code, param
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
+    """OpenAI's error object: a response's body, or an event in a stream that has begun."""
+    detail = ErrorDetail(message=message, type=ERROR_TYPES.get(status, "server_error"), param=param, code=code)
+    return ErrorBody(error=detail).model_dump()
+
+
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code, param), status_code=status)
+
+
+def refused_response(exc: Refused) -> JSONResponse:
+    return error_response(exc.status, str(exc), exc.code, exc.param)
+
+
+def validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+    """The first failed field, named: (message, param)."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    return (f"{where}: {first['msg']}" if where else first["msg"]), where or None
+
+
+def context_exceeded(exc: ContextFull, what: str) -> Refused:
+    """A prompt and max_tokens over the context, in OpenAI's words; `what`: "messages" or
+    "prompt", the field at fault."""
+    asked = exc.held + exc.new + exc.max_tokens
+    return Refused(400, f"This model's maximum context length is {exc.limit} tokens. However, you "
+                   f"requested {asked} tokens ({exc.held + exc.new} in the {what}, {exc.max_tokens} in the "
+                   "completion). Please reduce the length of the messages or completion.",
+                   "context_length_exceeded", what)
+
+
+def refused(exc: BaseException) -> Refused:
+    """What a choice that failed says: a stopping server is 503, a request the conductor
+    would not run 400, anything else 503 with its reason."""
+    if isinstance(exc, Refused):
+        return exc
+    if isinstance(exc, Stopping):
+        return Refused(503, "the server is stopping; this request was not run", "server_stopping")
+    if isinstance(exc, ConductorError):
+        return Refused(400, str(exc), exc.code.lower())
+    return Refused(503, f"the request failed: {exc}")
+
+
+def install(app: FastAPI) -> None:
+    """Route every error an app raises through this module."""
+    async def on_refused(_request, exc: Refused):
+        return refused_response(exc)
+
+    async def on_http(_request, exc: HTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+    async def on_library(_request, exc: SwarmKVError):
+        return error_response(500, str(exc), "server_error")
+
+    async def on_invalid(_request, exc: RequestValidationError):
+        return error_response(400, *validation_message(exc))
+
+    app.add_exception_handler(Refused, on_refused)
+    app.add_exception_handler(HTTPException, on_http)
+    app.add_exception_handler(SwarmKVError, on_library)
+    app.add_exception_handler(RequestValidationError, on_invalid)

@@ -1,0 +1,100 @@
+"""A Call's choices as OpenAI's response objects (schemas.py), whole or as stream events.
+
+ChatShape writes chat.completion and chat.completion.chunk, CompletionShape
+text_completion; both have the same four moments: `whole` (not streamed), `opening`
+(the chunks before any text), `piece` (new text of one choice, or None for nothing to
+send) and `ending` (one choice's finish), and `usage_chunk` for stream_options.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from .calls import Call, Choice
+from .schemas import (ChatChoice, ChatChunk, ChatCompletion, ChatLogprobs, ChatMessage, ChunkChoice, Completion,
+                      CompletionChoice, CompletionLogprobs, Delta, TokenLogprob)
+
+
+def sse(data: dict) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(data)}\n\n"
+
+
+class ChatShape:
+    def __init__(self, model: str):
+        self.model, self.id = model, f"chatcmpl-{uuid.uuid4().hex}"
+
+    def _logprobs(self, call: Call, entries: list[TokenLogprob]) -> ChatLogprobs | None:
+        return ChatLogprobs(content=entries) if call.body.ranked() is not None else None
+
+    def whole(self, call: Call) -> ChatCompletion:
+        choices = [ChatChoice(index=c.index, message=ChatMessage(content=c.text.sent),
+                              logprobs=self._logprobs(call, c.logprobs), finish_reason=c.finish_reason())
+                   for c in call.choices]
+        return ChatCompletion(id=self.id, created=int(time.time()), model=self.model, choices=choices,
+                              usage=call.usage())
+
+    def _chunk(self, call: Call, choices: list[ChunkChoice], **usage) -> ChatChunk:
+        if call.body.usage_in_stream and not usage:
+            usage = {"usage": None}       # every chunk says it, null but the last
+        return ChatChunk(id=self.id, created=int(time.time()), model=self.model, choices=choices, **usage)
+
+    def opening(self, call: Call):
+        for c in call.choices:
+            yield self._chunk(call, [ChunkChoice(index=c.index, delta=Delta(role="assistant", content=""))])
+
+    def piece(self, call: Call, choice: Choice, text: str) -> ChatChunk | None:
+        fresh = choice.logprobs[choice.logprobs_sent:]
+        if not text and not fresh:
+            return None
+        choice.logprobs_sent = len(choice.logprobs)
+        return self._chunk(call, [ChunkChoice(index=choice.index, delta=Delta(content=text),
+                                              logprobs=self._logprobs(call, fresh))])
+
+    def ending(self, call: Call, choice: Choice) -> ChatChunk:
+        return self._chunk(call, [ChunkChoice(index=choice.index, delta=Delta(),
+                                              finish_reason=choice.finish_reason())])
+
+    def usage_chunk(self, call: Call) -> ChatChunk:
+        return self._chunk(call, [], usage=call.usage())
+
+
+class CompletionShape:
+    def __init__(self, model: str):
+        self.model, self.id = model, f"cmpl-{uuid.uuid4().hex}"
+
+    @staticmethod
+    def _logprobs(call: Call, entries: list[TokenLogprob]) -> CompletionLogprobs | None:
+        if call.body.ranked() is None:
+            return None
+        offsets, at = [], 0
+        for e in entries:
+            offsets.append(at)
+            at += len(e.token)
+        return CompletionLogprobs(tokens=[e.token for e in entries], token_logprobs=[e.logprob for e in entries],
+                                  top_logprobs=[{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+                                  text_offset=offsets)
+
+    def _object(self, choices: list[CompletionChoice], **usage) -> Completion:
+        return Completion(id=self.id, created=int(time.time()), model=self.model, choices=choices, **usage)
+
+    def whole(self, call: Call) -> Completion:
+        choices = [CompletionChoice(index=c.index, text=c.text.sent, finish_reason=c.finish_reason(),
+                                    logprobs=self._logprobs(call, c.logprobs)) for c in call.choices]
+        return self._object(choices, usage=call.usage())
+
+    def opening(self, call: Call):
+        return []
+
+    def piece(self, call: Call, choice: Choice, text: str) -> Completion | None:
+        if not text:
+            return None
+        return self._object([CompletionChoice(index=choice.index, text=text, finish_reason=None, logprobs=None)])
+
+    def ending(self, call: Call, choice: Choice) -> Completion:
+        return self._object([CompletionChoice(index=choice.index, text="", finish_reason=choice.finish_reason(),
+                                              logprobs=self._logprobs(call, choice.logprobs))])
+
+    def usage_chunk(self, call: Call) -> Completion:
+        return self._object([], usage=call.usage())

@@ -1,0 +1,180 @@
+"""The routes: each reads who asks and what, hands it to the engine, and answers.
+
+Every route finds the server's state (`Served`: engine, keys, settings) on the app. A
+failure anywhere is raised as errors.Refused and shaped by errors.py; nothing here
+decides admission, fairness or sharing (the engine's and the conductor's).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from .calls import Call
+from .engine import ServeEngine
+from .errors import Refused, error_body, error_response, refused, validation_message
+from .keys import Keys
+from .responses import ChatShape, CompletionShape, sse
+from .schemas import ChatRequest, CompletionRequest, ModelCard, ModelList
+from .settings import Settings
+
+
+@dataclass
+class Served:
+    """What the routes serve: one model's engine, its keys and the server's settings."""
+    engine: ServeEngine
+    keys: Keys
+    settings: Settings
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def name(self) -> str:
+        return self.settings.served_name
+
+
+def served(request: Request) -> Served:
+    return request.app.state.served
+
+
+def owner_of(request: Request) -> int:
+    """The owner the request's API key stands for; 401 without a valid one."""
+    who = served(request).keys.owner(request.headers.get("authorization"))
+    if who is None:
+        raise Refused(401, "Incorrect API key provided", "invalid_api_key")
+    return who
+
+
+# ---- GET ---------------------------------------------------------------------------------
+
+async def health(request: Request):
+    if served(request).engine.stopping:
+        return error_response(503, "the server is stopping", "server_stopping")
+    return {"status": "ok"}
+
+
+async def models(request: Request):
+    owner_of(request)
+    s = served(request)
+    return ModelList(data=[ModelCard(id=s.name, created=s.created)]).model_dump()
+
+
+# ---- POST --------------------------------------------------------------------------------
+
+async def chat(request: Request):
+    who = owner_of(request)
+    s = served(request)
+    body = await read_body(request, ChatRequest, s.settings.max_body_bytes)
+    check_model(s, body.model)
+    tokens = await asyncio.to_thread(chat_tokens, s.engine.model, body)
+    call = Call(s.engine, who, body, [tokens], s.engine.max_tokens_for([tokens], body.limit(), "messages"),
+                asyncio.get_running_loop())
+    return await answer(request, call, ChatShape(s.name))
+
+
+async def completions(request: Request):
+    who = owner_of(request)
+    s = served(request)
+    body = await read_body(request, CompletionRequest, s.settings.max_body_bytes)
+    check_model(s, body.model)
+    if body.echo or body.suffix:
+        raise Refused(400, "echo and suffix are not supported", "unsupported_parameter",
+                      "echo" if body.echo else "suffix")
+    model = s.engine.model
+    prompts = await asyncio.to_thread(
+        lambda: [[int(t) for t in model.tokenize(p, add_special=True)] for p in body.prompts()])
+    if not all(prompts):
+        raise Refused(400, "the prompt is empty", "empty_prompt", "prompt")
+    call = Call(s.engine, who, body, prompts, s.engine.max_tokens_for(prompts, body.limit(), "prompt"),
+                asyncio.get_running_loop())
+    return await answer(request, call, CompletionShape(s.name))
+
+
+# ---- what the POST routes share -------------------------------------------------------------
+
+async def capped_body(request: Request, max_body_bytes: int) -> bytes:
+    """The request's body, or 413 as soon as it is known to be over the cap (its
+    Content-Length, else the bytes read so far): a huge body is never held whole."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > max_body_bytes:
+        raise Refused(413, f"the body is {size} bytes; the server takes at most {max_body_bytes} "
+                      "(--max-body-bytes)", "body_too_large")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > max_body_bytes:
+            raise Refused(413, f"the body is over {max_body_bytes} bytes (--max-body-bytes)", "body_too_large")
+    return bytes(raw)
+
+
+async def read_body(request: Request, schema, max_body_bytes: int):
+    raw = await capped_body(request, max_body_bytes)
+    try:
+        return schema.model_validate(json.loads(raw))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise Refused(400, f"the body is not valid JSON: {exc}", "invalid_json") from None
+    except ValidationError as exc:
+        raise Refused(400, *validation_message(exc)) from None
+
+
+def check_model(s: Served, name: str) -> None:
+    if name != s.name:
+        raise Refused(404, f"The model `{name}` does not exist; this server serves `{s.name}`",
+                      "model_not_found", "model")
+
+
+def chat_tokens(model, body: ChatRequest) -> list[int]:
+    """The messages through the model's chat template, as tokens (off the event loop: a
+    body of megabytes takes a while)."""
+    text = model.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+    return [int(t) for t in model.tokenize(text, add_special=True, parse_special=True)]
+
+
+async def answer(request: Request, call: Call, shape):
+    """Run the call: a stream of events, or, once every choice has ended, the whole
+    response (a client that leaves first cancels its choices)."""
+    call.start()
+    if call.body.stream:
+        return StreamingResponse(stream_events(call, shape), media_type="text/event-stream")
+    watcher = asyncio.create_task(watch_disconnect(request, call))
+    try:
+        async for _ in call.events():
+            pass
+    finally:
+        watcher.cancel()
+    failed = call.failure()
+    if failed is not None:
+        raise failed
+    return JSONResponse(shape.whole(call).model_dump())
+
+
+async def watch_disconnect(request: Request, call: Call) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.1)
+    call.cancel()        # the client left: its choices roll back, the others go on
+
+
+async def stream_events(call: Call, shape):
+    finished = False
+    try:
+        for chunk in shape.opening(call):
+            yield sse(chunk.model_dump())
+        async for kind, choice, text in call.events():
+            if choice.error is not None and kind == "end":
+                exc = refused(choice.error)
+                yield sse(error_body(exc.status, str(exc), exc.code))
+                continue
+            chunk = shape.piece(call, choice, text) if kind == "text" else shape.ending(call, choice)
+            if chunk is not None:
+                yield sse(chunk.model_dump())
+        if call.body.usage_in_stream:
+            yield sse(shape.usage_chunk(call).model_dump())
+        yield "data: [DONE]\n\n"
+        finished = True
+    finally:
+        if not finished:
+            call.cancel()

@@ -1,0 +1,125 @@
+"""The server's settings, written once: `swarmkv serve`, `lmxd --http` and each Ray replica.
+
+`Settings` holds every setting of the served model, its pool, its keys and its limits,
+with the one default each has; `add_arguments` turns them into flags (`--ctx-size` for
+swarmkv serve, `--http-ctx-size` for lmxd, from the same definitions) and `from_args`
+reads them back. What only one program has (swarmkv serve's --host/--port/--ray, lmxd's
+socket) stays with that program.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import catalog
+from ..conductor.pool import MAX_SEQS
+from .keys import Keys
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str = catalog.DEFAULT_MODEL
+    name: str | None = None                  # the model id clients send (default: model as given)
+    ctx_size: int = 32768                    # the pool's KV cells
+    parallel: int = 64                       # the pool's sequences
+    exact: bool = False
+    share_prefixes: bool = False
+    cache_dir: Path | None = None
+    api_key: str | None = None
+    api_key_file: Path | None = None
+    allow_remote_without_key: bool = False
+    default_max_tokens: int = 1024
+    max_requests: int = 256
+    max_requests_per_key: int = 64
+    max_body_bytes: int = 8 << 20
+
+    @property
+    def served_name(self) -> str:
+        return self.name or self.model
+
+    def check(self) -> None:
+        """A clear ValueError for a setting that cannot work, before anything loads."""
+        if self.ctx_size < 512:
+            raise ValueError(f"--ctx-size must be at least 512 cells, got {self.ctx_size}")
+        if not 2 <= self.parallel <= MAX_SEQS - 1:
+            raise ValueError(f"--parallel must be in 2..{MAX_SEQS - 1}, got {self.parallel}")
+        if self.default_max_tokens < 1 or self.max_requests < 1 or self.max_requests_per_key < 1:
+            raise ValueError("--default-max-tokens, --max-requests and --max-requests-per-key must be >= 1")
+        if self.max_body_bytes < 1024:
+            raise ValueError("--max-body-bytes must be at least 1024")
+
+    def keys(self, host: str) -> Keys:
+        """The keys to require; none only on a loopback address (unless allowed)."""
+        if self.api_key is not None:
+            if len(self.api_key) < 8:
+                raise ValueError("an API key must be at least 8 characters")
+            keys = Keys({self.api_key: "key1"})
+        elif self.api_key_file is not None:
+            keys = Keys.from_file(self.api_key_file)
+        else:
+            keys = Keys()
+        if not keys.required and not is_loopback(host) and not self.allow_remote_without_key:
+            raise ValueError(f"{host} is reachable from other machines and no API key is set; "
+                             "pass an API key file (or allow it explicitly)")
+        return keys
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, prefix: str = "") -> "Settings":
+        """The settings add_arguments(…, prefix) parsed into `args`."""
+        dest = prefix.replace("-", "_")
+        return cls(**{f.name: getattr(args, dest + f.name) for f in dataclasses.fields(cls)})
+
+
+DEFAULTS = Settings()
+
+
+def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: str = "") -> None:
+    """The settings as flags, each named --PREFIX<name> (lmxd: prefix "http-")."""
+    def flag(name: str, **kw) -> None:
+        p.add_argument(f"--{prefix}{name}", **kw)
+
+    d = DEFAULTS
+    flag("model", default=d.model, help="a packaged short name or a path to a .gguf file (default: %(default)s)")
+    flag("name", default=d.name, help="the model id clients send (default: the model as given)")
+    flag("ctx-size", type=int, default=d.ctx_size,
+         help="KV cells of the pool: every running request's prompt + max_tokens and the cached "
+              "prefixes share them (default: %(default)s)")
+    flag("parallel", type=int, default=d.parallel,
+         help="sequences in the pool: requests running plus kept prefixes (default: %(default)s)")
+    flag("exact", action="store_true",
+         help="batch-invariant kernels: a request's answer does not depend on what else runs")
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument(f"--{prefix}api-key", default=d.api_key,
+                      help="require this key (Authorization: Bearer KEY)")
+    keys.add_argument(f"--{prefix}api-key-file", type=Path, default=d.api_key_file,
+                      help="one key per line (optionally followed by a name): each key is an owner "
+                           "with its own fair share, quota and cache")
+    flag("allow-remote-without-key", action="store_true",
+         help="listen on a non-loopback address with no API key (anyone who reaches it may use it)")
+    flag("cache-dir", type=Path, default=d.cache_dir, metavar="DIR",
+         help="keep prefixes that requests share (256 tokens or more) in this prefix-cache folder, so "
+              "a restarted server restores them instead of prefilling (default: off; each key's "
+              "prefixes apart; a full or read-only folder only logs a warning)")
+    flag("share-prefixes", action="store_true",
+         help="let every key reuse every key's cached prefixes (off: a cached prefix's speed would "
+              "tell one key what another asked)")
+    flag("default-max-tokens", type=int, default=d.default_max_tokens,
+         help="max_tokens of a chat request that sends none (default: %(default)s)")
+    flag("max-requests", type=int, default=d.max_requests,
+         help="choices running or queued at once, all keys (default: %(default)s; more get 503)")
+    flag("max-requests-per-key", type=int, default=d.max_requests_per_key,
+         help="choices running or queued at once per key (default: %(default)s; more get 429)")
+    flag("max-body-bytes", type=int, default=d.max_body_bytes,
+         help="largest request body (default: 8 MiB)")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,150 @@
+"""The layers of swarmkv_ffi, written down once: a module may import only from its own layer
+or below, and no modules import each other in a circle.
+
+Every import counts, at the top of a module or inside a function (a deferred import is
+still a dependency), read from the source with `ast`, nothing imported. A module that is
+in no layer fails the test too: a new module is placed here when it is written.
+"""
+from __future__ import annotations
+
+import ast
+import fnmatch
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Lowest first. Names are relative to swarmkv_ffi; a package's name stands for its __init__.
+LAYERS: list[list[str]] = [
+    ["errors", "cpu", "procmem", "_cdef", "tiny_gguf"],                 # no libllama
+    ["kernels", "kernels.*"],                                           # Numba CUDA, on their own
+    ["calibration"],                                                    # the kernel rule, handed the library
+    ["library"],                                                        # libllama by cffi
+    ["_owned", "model", "batch", "exact", "context", "sampler", "arena", "fattn", "shaped_gguf"],   # the binding
+    ["catalog", "snapshot", "prefix_cache", "generate", "probe"],      # models, KV state, one answer
+    ["fanout", "fanout.*", "distributed"],                              # the fan-out, and on Ray
+    ["conductor", "conductor.protocol", "conductor.lines", "conductor.quotas", "conductor.policy",
+     "conductor.kept", "conductor.common_prompts", "conductor.ledger", "conductor.memory",
+     "conductor.modelfile", "conductor.registry", "conductor.estimate", "conductor.sandbox",
+     "conductor.client"],                                               # the conductor's parts
+    ["conductor.pool"],                                                 # a model's shared context
+    ["conductor.scheduler"],                                            # the batched steps
+    ["conductor.agents", "conductor.access"],                           # the Conductor
+    ["conductor.requests", "conductor.server"],                         # its two doors: requests, the socket
+    ["serve", "serve.schemas", "serve.keys", "serve.text", "serve.routing", "serve.persist"],
+    ["serve.errors", "serve.settings"],
+    ["serve.engine"],                                                   # serve/ on conductor.requests
+    ["serve.calls"],
+    ["serve.responses"],
+    ["serve.routes"],
+    ["serve.app"],
+    ["serve.http", "serve.on_ray"],
+    ["serve.cli"],
+    ["lmxd", "cli", "bench", "bench.*"],                                # the programs
+]
+
+
+def modules() -> dict[str, tuple[Path, bool]]:
+    """Every module: its name relative to swarmkv_ffi -> (file, is a package)."""
+    found = {}
+    for path in (ROOT / "swarmkv_ffi").rglob("*.py"):
+        parts = list(path.relative_to(ROOT / "swarmkv_ffi").with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
+            parts = parts[:-1]
+        if parts:                       # the package itself: the users' façade, above everything
+            found[".".join(parts)] = (path, is_pkg)
+    for path in (ROOT / "kernels").glob("*.py"):   # installed as swarmkv_ffi.kernels.*
+        found[f"kernels.{path.stem}"] = (path, False)
+    return found
+
+
+def imports(name: str, path: Path, is_pkg: bool, known: dict) -> set[str]:
+    """The swarmkv_ffi modules `name` imports."""
+    package = name if is_pkg else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ["swarmkv_ffi"] + (package.split(".") if package else [])
+                base = base[:len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}".removeprefix("swarmkv_ffi.") in known else mod
+                       for a in node.names]
+        else:
+            continue
+        out |= {t.removeprefix("swarmkv_ffi.") for t in targets if t.startswith("swarmkv_ffi.")}
+    return {t for t in out if t in known and t != name}
+
+
+def layer_of(name: str) -> int:
+    for i, patterns in enumerate(LAYERS):
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            return i
+    raise LookupError(name)
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, is_pkg, known) for name, (path, is_pkg) in known.items()}
+
+
+def test_every_module_has_a_layer(graph):
+    unplaced = []
+    for name in graph:
+        try:
+            layer_of(name)
+        except LookupError:
+            unplaced.append(name)
+    assert not unplaced, f"place these modules in tests/test_layers.py LAYERS: {unplaced}"
+
+
+def test_no_module_imports_from_a_higher_layer(graph):
+    upward = [f"{name} (layer {layer_of(name)}) imports {dep} (layer {layer_of(dep)})"
+              for name, deps in sorted(graph.items()) for dep in sorted(deps) if layer_of(dep) > layer_of(name)]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_circle(graph):
+    circle = find_circle(graph)
+    assert circle is None, " -> ".join(circle)
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, str] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        state[node] = "done"
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_scan_sees_what_it_must(tmp_path):
+    """The checks above can fail: an import back up from the conductor to serve/, inside a
+    function as start_http had it, and a circle, are both found."""
+    fake = tmp_path / "probe.py"
+    fake.write_text("def start_http():\n    from ..serve.http import Front\n")
+    deps = imports("conductor.probe", fake, False, modules())
+    assert deps == {"serve.http"} and layer_of("serve.http") > layer_of("conductor.server")
+    assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_circle({"a": {"b"}, "b": set()}) is None
