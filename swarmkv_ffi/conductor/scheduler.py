@@ -275,7 +275,7 @@ class Scheduler:
             return
         if pool is not self.live or not pool.is_open or pool.stale:
             try:   # (a stale pool is rebuilt: its cells are out of order, or it is oversized)
-                self._switch(pool, pool.rebuild_by if pool.is_open and pool.stale else self._served_by(pool))
+                self._switch(pool, pool.rebuild_by if pool.is_open and pool.stale else self._payer_of(pool))
             except Exception as exc:   # its context could not be made: its DECODEs fail, not the rest
                 log.exception("opening a pool failed")
                 self.live = None
@@ -309,7 +309,7 @@ class Scheduler:
     def _active(self) -> set[int]:
         return {r.owner for r in self._waiting + self._batch}
 
-    def _served_by(self, pool: Pool) -> dict[int, float]:
+    def _payer_of(self, pool: Pool) -> dict[int, float]:
         """Who a switch to `pool` serves: the first of its waiting runs pays for it."""
         runs = [r for r in self._waiting if r.pool_key == pool.key]
         return {min(runs, key=self._order).owner: 1.0} if runs else {}

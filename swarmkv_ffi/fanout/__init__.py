@@ -15,6 +15,19 @@ Timings are taken with time.perf_counter_ns, relative to the start of run_fanout
   decode_ms       from the first to the last generated token
   tokens_per_s    the tokens after the first over decode_ms (generate.rate: llama.cpp's
                   eval rate; generate() and lmxd count the same way)
+
+The modules, lowest first:
+    types.py     BranchSpec, BranchResult, FanoutResult, MODES
+    prompts.py   the document as an exact token prefix of every branch's prompt
+    budget.py    the context budget, checked before any context exists
+    config.py    FanoutConfig, shared by the fan-out, its baseline, Ray and the benchmarks
+    dag.py       the small DAG orchestrator both modes run on
+    plan.py      everything decided before any context or buffer exists
+    prefill.py   the document's chunks and the loop that decodes them
+    shared.py    shared mode: one context, every branch in every llama_decode
+    copy.py      copy mode: snapshot bytes restored per branch
+    baseline.py  what the fan-out is measured against (each branch alone)
+    engine.py    run_fanout: picks a mode and runs it
 """
 from .baseline import run_baseline
 from .config import FanoutConfig
