@@ -22,10 +22,15 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from .agents import Agent, Conductor, ConductorError, check_context
+from .agents import Agent, Conductor, ConductorError, ContextFull, check_context
 from .kept import PrefixStore
 from .pool import MAX_SEQS, Fixed, Kind
-from .scheduler import Run
+from .scheduler import Run, Stopping
+
+#: What a caller of this door needs, all from here: the pool, its handles, the most
+#: sequences a pool takes, and the three ways a request is refused (ContextFull is a
+#: ConductorError).
+__all__ = ["MAX_SEQS", "ConductorError", "ContextFull", "PrefixStore", "Request", "RequestPool", "RequestResult", "Stopping"]
 
 _pool_ids = itertools.count(1)
 
@@ -33,10 +38,12 @@ _pool_ids = itertools.count(1)
 @dataclass
 class RequestResult:
     """How a request ended: the tokens it generated, how many prompt tokens it forked
-    instead of decoding, and whether it stopped on end-of-generation."""
+    instead of decoding, whether it stopped on end-of-generation, and whether it was
+    cancelled (then rolled back: its cells are not kept)."""
     generated: list[int]
     cached: int
     stopped_on_eog: bool
+    cancelled: bool = False
 
 
 class Request:
@@ -55,7 +62,7 @@ class Request:
         run.done.wait()
         if run.error is not None:
             raise run.error
-        return RequestResult(list(run.generated), run.cached, run.stopped_on_eog)
+        return RequestResult(list(run.generated), run.cached, run.stopped_on_eog, run.cancelled)
 
 
 class RequestPool:

@@ -16,11 +16,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..conductor.agents import Conductor, ContextFull
+from ..conductor.agents import Conductor
 from ..conductor.ledger import Ledger
 from ..conductor.memory import DeviceMemory
 from ..conductor.policy import Policy
-from ..conductor.requests import RequestPool, RequestResult
+from ..conductor.requests import ContextFull, RequestPool, RequestResult
 from ..prefix_cache import PrefixCache
 from .errors import Refused, context_exceeded, refused
 from .persist import PrefixStore

@@ -14,8 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from ..conductor.agents import ConductorError, ContextFull
-from ..conductor.scheduler import Stopping
+from ..conductor.requests import ConductorError, ContextFull, Stopping
 from ..errors import SwarmKVError
 from .schemas import ErrorBody, ErrorDetail
 

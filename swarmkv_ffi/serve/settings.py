@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import catalog
-from ..conductor.pool import MAX_SEQS
+from ..conductor.requests import MAX_SEQS
 from .keys import Keys
 
 
