@@ -1,29 +1,57 @@
-"""Sampler: libllama's sampler chain (greedy, or top-k → top-p → min-p → temperature → dist)."""
+"""Sampler: libllama's sampler chain.
+
+    logit bias → penalties → greedy, or top-k → top-p → min-p → temperature → dist
+
+The bias and the penalties come first so that they move the logits both greedy and the
+sampled chain choose from; each link is added only when it changes something.
+"""
 from __future__ import annotations
 
 import numpy as np
 
 from . import library
 from ._owned import Owned
+from .library import ffi
 
 DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: libllama picks a random seed
 
 
 class Sampler(Owned):
     """temp <= 0 means greedy (the default). Otherwise the usual chain; `seed=None` lets
-    libllama pick one, any int makes the draw reproducible."""
+    libllama pick one, any int makes the draw reproducible. logit_bias {token: bias} is
+    added to those tokens' logits; the penalties (llama.cpp's, over the last
+    penalty_last_n tokens the chain has chosen) lower tokens already generated: presence
+    by a fixed amount, frequency by each time it came, repeat by dividing. Both need
+    n_vocab, the model's vocabulary size."""
 
     def __init__(self, *, temp: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 min_p: float = 0.0, seed: int | None = None):
+                 min_p: float = 0.0, seed: int | None = None, logit_bias: dict[int, float] | None = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
+                 penalty_last_n: int = 64, n_vocab: int | None = None):
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if not 0.0 <= min_p < 1.0:
             raise ValueError(f"min_p must be in [0, 1), got {min_p}")
         if top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {top_k}")
-        self.settings = dict(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+        if repeat_penalty <= 0 or penalty_last_n < 1:
+            raise ValueError("repeat_penalty must be > 0 and penalty_last_n >= 1")
+        penalised = presence_penalty != 0 or frequency_penalty != 0 or repeat_penalty != 1.0
+        if (logit_bias or penalised) and not n_vocab:
+            raise ValueError("logit_bias and the penalties need n_vocab")
+        if logit_bias and not all(0 <= t < n_vocab for t in logit_bias):
+            raise ValueError(f"logit_bias names a token outside the vocabulary (0..{n_vocab - 1})")
+        self.settings = dict(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                             logit_bias=dict(logit_bias or {}), presence_penalty=presence_penalty,
+                             frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty)
         lib = self._lib = library.backend()
         chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        if logit_bias:
+            bias = ffi.new("llama_logit_bias[]", [{"token": int(t), "bias": float(b)} for t, b in logit_bias.items()])
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_logit_bias(n_vocab, len(logit_bias), bias))
+        if penalised:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_penalties(
+                n_vocab, penalty_last_n, repeat_penalty, frequency_penalty, presence_penalty))
         if temp <= 0:
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
         else:

@@ -19,6 +19,7 @@ CHECKED_STRUCTS = (
     "struct llama_context_params",
     "struct llama_batch",
     "struct llama_sampler_chain_params",
+    "struct llama_logit_bias",
     "struct llama_chat_message",
     "struct ggml_tensor",
 )

@@ -151,6 +151,11 @@ typedef struct llama_sampler_chain_params {
     bool no_perf;
 } llama_sampler_chain_params;
 
+typedef struct llama_logit_bias {
+    llama_token token;
+    float bias;
+} llama_logit_bias;
+
 typedef struct llama_chat_message {
     const char * role;
     const char * content;
@@ -244,6 +249,10 @@ struct llama_sampler * llama_sampler_init_top_k(int32_t k);
 struct llama_sampler * llama_sampler_init_top_p(float p, size_t min_keep);
 struct llama_sampler * llama_sampler_init_min_p(float p, size_t min_keep);
 struct llama_sampler * llama_sampler_init_temp(float t);
+struct llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t penalty_last_n, float penalty_repeat,
+                                                    float penalty_freq, float penalty_present);
+struct llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_logit_bias,
+                                                     const llama_logit_bias * logit_bias);
 llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
 void   llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
 void   llama_sampler_reset(struct llama_sampler * smpl);

@@ -384,7 +384,7 @@ class Scheduler:
                 if not run.began:
                     self.host.begin(run)
                     run.evicted = run.evicted or self._switch_evicted
-                    run.sampler = Sampler(**run.sampling)
+                    run.sampler = Sampler(**run.sampling, n_vocab=run.agent.loaded.model.n_vocab)
             except Exception as exc:
                 self._finish(run, error=exc)
                 continue

@@ -51,7 +51,7 @@ class Call:
             for k in range(n):
                 choice = Choice(p * n + k, TextStream(self.engine.model, self.body.stops()))
                 job = Job(self.owner, tokens, self.max_tokens, self._on_token(choice),
-                          sampling=self.body.settings(k), top_logprobs=self.body.ranked())
+                          sampling=self.body.settings(k, self.max_tokens), top_logprobs=self.body.ranked())
                 self.choices.append(choice)
                 self.jobs.append(job)
                 threading.Thread(target=self._run, args=(choice, job), daemon=True,

@@ -48,7 +48,19 @@ def validation_message(exc: ValidationError | RequestValidationError) -> tuple[s
     """The first failed field, named: (message, param)."""
     first = exc.errors()[0]
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-    return (f"{where}: {first['msg']}" if where else first["msg"]), where or None
+    said = first["msg"]
+    if first.get("type") == "extra_forbidden":
+        said = ("this server does not act on this field, so it refuses it rather than ignore it "
+                "(docs/serve.md lists the fields it honours)")
+    elif where.startswith("response_format"):
+        said = "only {'type': 'text'} is honoured; json_object and json_schema are not (yet)"
+    return (f"{where}: {said}" if where else said), where or None
+
+
+def unsupported(exc: ValidationError) -> bool:
+    """The body names a field the server refuses (a 400 coded unsupported_parameter)."""
+    first = exc.errors()[0]
+    return first.get("type") == "extra_forbidden" or str(first.get("loc", ("",))[0]) == "response_format"
 
 
 def context_exceeded(exc: ContextFull, what: str) -> Refused:

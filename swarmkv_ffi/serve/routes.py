@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from .calls import Call
 from .engine import ServeEngine
-from .errors import Refused, error_body, error_response, refused, validation_message
+from .errors import Refused, error_body, error_response, refused, unsupported, validation_message
 from .keys import Keys
 from .responses import ChatShape, CompletionShape, sse
 from .schemas import ChatRequest, CompletionRequest, ModelCard, ModelList
@@ -70,6 +70,7 @@ async def chat(request: Request):
     s = served(request)
     body = await read_body(request, ChatRequest, s.settings.max_body_bytes)
     check_model(s, body.model)
+    check_vocabulary(s.engine.model.n_vocab, body.vocabulary_ids())
     tokens = await asyncio.to_thread(chat_tokens, s.engine.model, body)
     call = Call(s.engine, who, body, [tokens], s.engine.max_tokens_for([tokens], body.limit(), "messages"),
                 asyncio.get_running_loop())
@@ -84,9 +85,11 @@ async def completions(request: Request):
     if body.echo or body.suffix:
         raise Refused(400, "echo and suffix are not supported", "unsupported_parameter",
                       "echo" if body.echo else "suffix")
+    check_vocabulary(s.engine.model.n_vocab, body.vocabulary_ids())
     model = s.engine.model
     prompts = await asyncio.to_thread(
-        lambda: [[int(t) for t in model.tokenize(p, add_special=True)] for p in body.prompts()])
+        lambda: [p if isinstance(p, list) else [int(t) for t in model.tokenize(p, add_special=True)]
+                 for p in body.prompts()])
     if not all(prompts):
         raise Refused(400, "the prompt is empty", "empty_prompt", "prompt")
     call = Call(s.engine, who, body, prompts, s.engine.max_tokens_for(prompts, body.limit(), "prompt"),
@@ -118,7 +121,17 @@ async def read_body(request: Request, schema, max_body_bytes: int):
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise Refused(400, f"the body is not valid JSON: {exc}", "invalid_json") from None
     except ValidationError as exc:
-        raise Refused(400, *validation_message(exc)) from None
+        message, param = validation_message(exc)
+        raise Refused(400, message, "unsupported_parameter" if unsupported(exc) else None, param) from None
+
+
+def check_vocabulary(n_vocab: int, ids: dict[str, list[int]]) -> None:
+    """400 naming the field when a token id the body names is not in the model's vocabulary."""
+    for field_name, tokens in ids.items():
+        bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise Refused(400, f"{field_name}: token {bad} is not in the model's vocabulary (ids 0..{n_vocab - 1})",
+                          "invalid_token", field_name)
 
 
 def check_model(s: Served, name: str) -> None:

@@ -1,8 +1,11 @@
 """The OpenAI API's shapes that the server takes and gives, as pydantic types.
 
-Requests: fields the server does not act on (tools, response_format, user, metadata, …)
-are accepted and ignored, as agents send them; the ones it acts on are checked here, so
-a bad value is a 400 naming the field before any work starts.
+Requests: every field is either acted on or refused with a 400 naming it (extra="forbid":
+a field this server does not act on, such as `tools` or `response_format` json_schema,
+is refused rather than silently ignored, so an agent learns at once that it would get
+prose). The few fields that are metadata by nature (`user`, `metadata`, `store`) are
+accepted. Values are checked here, so a bad one is a 400 naming the field before any
+work starts.
 
 Responses: chat.completion, chat.completion.chunk, text_completion, the model list and
 the error object, as OpenAI writes them: a field OpenAI leaves out when it has nothing
@@ -11,23 +14,28 @@ when it was not given, not sent as null.
 """
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 MAX_N = 16
 MAX_STOP = 4
+MAX_LOGIT_BIAS = 300            # OpenAI's own limit on logit_bias entries
+
+STRICT = ConfigDict(extra="forbid")
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    """A message the chat template renders: role and text. Tool calls and tool results
+    are refused until the server can render them (role "tool", tool_calls, tool_call_id)."""
+    model_config = STRICT
+    role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[TextPart], None] = None
 
     def text(self) -> str:
@@ -37,22 +45,37 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     include_usage: bool = False
+
+
+class TextFormat(BaseModel):
+    """response_format as this server honours it: plain text (the default)."""
+    model_config = STRICT
+    type: Literal["text"]
 
 
 class Sampling(BaseModel):
     """What both endpoints share."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)                              # llama-server's and vLLM's extra
+    min_p: float = Field(0.0, ge=0.0, lt=1.0)                # as top_k
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repeat_penalty: float = Field(1.0, gt=0.0)               # llama-server's extra
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     stop: Union[str, list[str], None] = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    user: str | None = None                                  # metadata: accepted, not acted on
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -61,16 +84,38 @@ class Sampling(BaseModel):
             raise ValueError(f"at most {MAX_STOP} stop sequences")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, v):
+        if v is not None:
+            if len(v) > MAX_LOGIT_BIAS:
+                raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens")
+            if any(not -100.0 <= b <= 100.0 for b in v.values()):
+                raise ValueError("each bias must be in -100..100")
+        return v
+
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def settings(self, choice: int) -> dict:
+    def settings(self, choice: int, max_tokens: int) -> dict:
         """The Sampler's settings for choice `choice`: each choice its own seed, so n > 1
-        with a temperature gives n different draws that a seed reproduces."""
+        with a temperature gives n different draws that a seed reproduces. The penalties
+        look back over the whole answer (max_tokens), as OpenAI's do."""
+        out: dict = {}
+        if self.logit_bias:
+            out["logit_bias"] = dict(self.logit_bias)
+        if self.presence_penalty or self.frequency_penalty or self.repeat_penalty != 1.0:
+            out.update(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                       repeat_penalty=self.repeat_penalty, penalty_last_n=max_tokens)
         if self.temperature == 0:
-            return {}
+            return out
         seed = None if self.seed is None else self.seed + choice
-        return {"temp": self.temperature, "top_p": self.top_p, "seed": seed}
+        return {**out, "temp": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                "seed": seed}
+
+    def vocabulary_ids(self) -> dict[str, list[int]]:
+        """Token ids the body names, by field, for the engine to check against its vocabulary."""
+        return {"logit_bias": list(self.logit_bias or {})}
 
     @property
     def usage_in_stream(self) -> bool:
@@ -82,6 +127,7 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: TextFormat | None = None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -91,7 +137,9 @@ class ChatRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
-    prompt: Union[str, list[str]]
+    """A prompt as OpenAI takes it: a string, a list of strings, a list of token ids, or a
+    list of such lists (each prompt gets `n` choices)."""
+    prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
@@ -102,8 +150,17 @@ class CompletionRequest(Sampling):
     def ranked(self) -> int | None:
         return self.logprobs
 
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+    def vocabulary_ids(self) -> dict[str, list[int]]:
+        ids = [t for p in self.prompts() if isinstance(p, list) for t in p]
+        return {**super().vocabulary_ids(), "prompt": ids}
 
 
 # ---- responses ---------------------------------------------------------------------------
