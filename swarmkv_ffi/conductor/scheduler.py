@@ -488,7 +488,7 @@ class Scheduler:
         several = len({r.owner for r in runs}) > 1
         base = len(decoding) or (min(self._input_len(pool, r) for r in prompts) if several else 0)
         room = min(ctx.n_batch, self.policy.step_rows(self._cost(pool), base, ctx.n_batch,
-                                                         self.policy.sharing(self._active())))
+                                                       self.policy.sharing(self._active())))
         for run in decoding:
             room -= self._add_input(pool, batch, plan, rows, run, room)
         groups, rest = self._starting_together(pool, prompts)
