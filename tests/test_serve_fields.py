@@ -1,8 +1,9 @@
 """Every field of a request is honoured or refused (issue 43's first part), through a real
 `swarmkv serve` on loopback and the official `openai` client: logit_bias, the penalties
 and top_k change what greedy or seeded decoding picks; token-array prompts are prompts;
-fields the server does not act on (tools, response_format json_*, tool messages, unknown
-names) are a 400 that names them; metadata fields are accepted."""
+fields the server does not act on (the legacy functions, message names, unknown names)
+and values that cannot be honoured (a tool_choice naming no offered tool, a schema or
+grammar that does not compile) are a 400 that names them; metadata fields are accepted."""
 from __future__ import annotations
 
 import json
@@ -78,21 +79,24 @@ def test_a_token_array_prompt_is_the_prompt_it_spells(client, smol):
     #                                                     kernels may round them apart, so no text equality)
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
 @pytest.mark.parametrize("extra,param", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"parallel_tool_calls": True}, "parallel_tool_calls"),
+    ({"tool_choice": "required"}, "tool_choice"),                     # tool_choice without tools
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools.0.function.name"),
     ({"functions": [{"name": "f"}]}, "functions"),
-    ({"response_format": {"type": "json_object"}}, "response_format.type"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}},
-     "response_format.type"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"grammar": "root ::= (", "max_tokens": 2}, "grammar"),
+    ({"grammar": 'root ::= "a"', "tools": [TOOL]}, "grammar"),
     ({"best_of": 2}, "best_of"),
     ({"no_such_field": 1}, "no_such_field"),
-    ({"messages": [{"role": "user", "content": "Hi"},
-                   {"role": "assistant", "content": None,
-                    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
-     "messages.1.tool_calls"),
-    ({"messages": [{"role": "tool", "tool_call_id": "c1", "content": "42"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "Hi", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.0"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "messages.0"),     # a tool message without its call's id
     ({"messages": [{"role": "user", "name": "ann", "content": "Hi"}]}, "messages.0.name"),
     ({"logit_bias": {"10": 101}}, "logit_bias"),
     ({"logit_bias": {"99999999": 1}}, "logit_bias"),
@@ -105,9 +109,9 @@ def test_a_field_it_does_not_act_on_is_a_400_that_names_it(server, extra, param)
 
 
 def test_the_openai_client_sees_a_refusal_as_a_bad_request(client):
-    with pytest.raises(openai.BadRequestError, match="response_format"):
+    with pytest.raises(openai.BadRequestError, match="functions"):
         client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2,
-                                       response_format={"type": "json_object"})
+                                       extra_body={"functions": [{"name": "f"}]})
 
 
 def test_metadata_fields_and_a_text_format_are_accepted(server):

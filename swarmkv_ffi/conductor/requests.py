@@ -38,12 +38,14 @@ _pool_ids = itertools.count(1)
 @dataclass
 class RequestResult:
     """How a request ended: the tokens it generated, how many prompt tokens it forked
-    instead of decoding, whether it stopped on end-of-generation, and whether it was
-    cancelled (then rolled back: its cells are not kept)."""
+    instead of decoding, whether it stopped on end-of-generation, whether it was
+    cancelled (then rolled back: its cells are not kept), and whether its grammar was
+    complete (it ended there)."""
     generated: list[int]
     cached: int
     stopped_on_eog: bool
     cancelled: bool = False
+    completed: bool = False
 
 
 class Request:
@@ -62,7 +64,7 @@ class Request:
         run.done.wait()
         if run.error is not None:
             raise run.error
-        return RequestResult(list(run.generated), run.cached, run.stopped_on_eog, run.cancelled)
+        return RequestResult(list(run.generated), run.cached, run.stopped_on_eog, run.cancelled, run.completed)
 
 
 class RequestPool:
@@ -103,17 +105,19 @@ class RequestPool:
 
     def submit(self, owner: int, tokens: list[int], max_tokens: int, *, sampling: dict | None = None,
                top_logprobs: int | None = None, on_token: Callable[[int, object], bool] | None = None,
-               cancelled: threading.Event | None = None) -> Request:
+               cancelled: threading.Event | None = None, grammar: str | None = None) -> Request:
         """Queue one request of `owner`'s. on_token(token, logprobs or None) runs on the
         scheduler's thread after each generated token and returns False to end the
-        request there (a stop string); `cancelled`, once set, rolls it back. Raises
+        request there (a stop string); `cancelled`, once set, rolls it back; `grammar`
+        (grammar.py) constrains every token and ends the request once complete. Raises
         ContextFull when it cannot fit, Stopping once the conductor stops."""
         if not tokens:
             raise ConductorError("BAD_REQUEST", "the prompt is empty")
         self.check(len(tokens), max_tokens)
         cancelled = cancelled or threading.Event()
         run = Run(self._agent(owner, tokens, max_tokens), owner, "", max_tokens, cancelled.is_set,
-                  sampling=dict(sampling or {}), top_logprobs=top_logprobs, on_token=on_token)
+                  sampling=dict(sampling or {}), top_logprobs=top_logprobs, on_token=on_token,
+                  grammar=grammar)
         self.conductor.scheduler.enqueue(run)
         return Request(run, cancelled)
 

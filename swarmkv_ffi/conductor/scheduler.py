@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..batch import Batch
+from ..grammar import Constraint
 from ..sampler import Sampler, logprobs
 from .common_prompts import PromptTrie
 from .policy import SLICE_SECONDS, Policy, StepCost
@@ -91,6 +92,9 @@ class Run:
     sampler: Sampler | None = None
     sampling: dict = field(default_factory=dict)   # Sampler settings (temp, top_p, seed)
     top_logprobs: int | None = None   # report each token's logprob and this many alternatives
+    grammar: str | None = None    # the output must follow it (grammar.py); constraint: its state
+    constraint: Constraint | None = None
+    completed: bool = False       # the grammar allowed nothing more: the output is whole
     on_token: Callable | None = None  # (token, logprobs or None) after each one; False ends the run
     cached: int = 0               # prompt tokens whose cells were forked, not decoded (a request)
     done: threading.Event = field(default_factory=threading.Event)
@@ -385,6 +389,8 @@ class Scheduler:
                     self.host.begin(run)
                     run.evicted = run.evicted or self._switch_evicted
                     run.sampler = Sampler(**run.sampling, n_vocab=run.agent.loaded.model.n_vocab)
+                    if run.grammar is not None:
+                        run.constraint = Constraint(run.agent.loaded.model, run.grammar)
             except Exception as exc:
                 self._finish(run, error=exc)
                 continue
@@ -583,19 +589,26 @@ class Scheduler:
         seat.kv_len += n
 
     def _sample(self, run: Run, ctx, row: int) -> None:
+        """The run's next token from its row: under its grammar's mask if it has one
+        (its next mask is then computed while the next decode runs)."""
+        if run.constraint is not None:
+            run.constraint.apply(ctx.logits(row))
         token = run.sampler.sample(ctx, row)
         model = run.agent.loaded.model
         if model.is_eog(token):
             run.stopped_on_eog = True
             self._finish(run)
             return
+        if run.constraint is not None:
+            run.constraint.accept(token)
+            run.completed = run.constraint.finished
         run.generated.append(token)
         run.slice_tokens += 1
         more = True
         if run.on_token is not None:
             ranked = None if run.top_logprobs is None else logprobs(ctx.logits(row), token, run.top_logprobs)
             more = run.on_token(token, ranked)
-        if not more or len(run.generated) >= run.max_tokens:
+        if not more or run.completed or len(run.generated) >= run.max_tokens:
             run.agent.pending = token       # decoded with the next prompt
             self._finish(run)
         else:
@@ -614,6 +627,9 @@ class Scheduler:
         if run.sampler is not None:
             run.sampler.close()
             run.sampler = None
+        if run.constraint is not None:
+            run.constraint.close()
+            run.constraint = None
         run.agent.last_used = time.monotonic()
         self.policy.seen(run.owner)
         run.error = error

@@ -13,6 +13,7 @@ import threading
 from .engine import Job, ServeEngine
 from .errors import refused
 from .schemas import CachedTokens, Sampling, TokenLogprob, TopLogprob, Usage
+from .structured import Structure
 from .text import TextStream
 
 
@@ -25,8 +26,10 @@ class Choice:
         self.logprobs_sent = 0            # entries already streamed
         self.result, self.error = None, None
 
-    def finish_reason(self) -> str:
-        if self.text.stopped or self.result.stopped_on_eog:
+    def finish_reason(self, reply=None) -> str:
+        if reply is not None and reply.tool_calls:
+            return "tool_calls"
+        if self.text.stopped or self.result.stopped_on_eog or self.result.completed:
             return "stop"
         return "length"
 
@@ -35,8 +38,9 @@ class Call:
     """One request's choices, of `owner`'s, each with `max_tokens`."""
 
     def __init__(self, engine: ServeEngine, owner: int, body: Sampling, prompts: list[list[int]],
-                 max_tokens: int, loop: asyncio.AbstractEventLoop):
+                 max_tokens: int, loop: asyncio.AbstractEventLoop, structure: Structure | None = None):
         self.engine, self.owner, self.body = engine, owner, body
+        self.structure = structure or Structure()
         self.prompts, self.max_tokens = prompts, max_tokens
         self.queue: asyncio.Queue = asyncio.Queue()
         self.loop = loop
@@ -51,7 +55,8 @@ class Call:
             for k in range(n):
                 choice = Choice(p * n + k, TextStream(self.engine.model, self.body.stops()))
                 job = Job(self.owner, tokens, self.max_tokens, self._on_token(choice),
-                          sampling=self.body.settings(k, self.max_tokens), top_logprobs=self.body.ranked())
+                          sampling=self.body.settings(k, self.max_tokens), top_logprobs=self.body.ranked(),
+                          grammar=self.structure.grammar)
                 self.choices.append(choice)
                 self.jobs.append(job)
                 threading.Thread(target=self._run, args=(choice, job), daemon=True,

@@ -37,6 +37,7 @@ class Job:
     on_token: Callable[[int, object], bool]
     sampling: dict = field(default_factory=dict)
     top_logprobs: int | None = None
+    grammar: str | None = None         # the output follows it (grammar.py)
     cancelled: threading.Event = field(default_factory=threading.Event)   # the client left
 
 
@@ -116,7 +117,7 @@ class ServeEngine:
         try:
             return self.pool.submit(job.owner, job.tokens, job.max_tokens, sampling=job.sampling,
                                     top_logprobs=job.top_logprobs, on_token=job.on_token,
-                                    cancelled=job.cancelled).result()
+                                    cancelled=job.cancelled, grammar=job.grammar).result()
         except Exception as exc:
             raise refused(exc) from None
 

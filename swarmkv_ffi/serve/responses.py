@@ -3,7 +3,10 @@
 ChatShape writes chat.completion and chat.completion.chunk, CompletionShape
 text_completion; both have the same four moments: `whole` (not streamed), `opening`
 (the chunks before any text), `piece` (new text of one choice, or None for nothing to
-send) and `ending` (one choice's finish), and `usage_chunk` for stream_options.
+send) and `ending` (the chunks of one choice's finish), and `usage_chunk` for
+stream_options. An answer in the tool-call form (structured.py) is read once whole: its
+stream holds the text back and sends, at the end, either the content or each tool call
+as OpenAI streams one (a piece with id, type and name, then its arguments).
 """
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ import uuid
 
 from .calls import Call, Choice
 from .schemas import (ChatChoice, ChatChunk, ChatCompletion, ChatLogprobs, ChatMessage, ChunkChoice, Completion,
-                      CompletionChoice, CompletionLogprobs, Delta, TokenLogprob)
+                      CompletionChoice, CompletionLogprobs, Delta, FunctionCallOut, FunctionPiece, TokenLogprob,
+                      ToolCallOut, ToolCallPiece)
 
 
 def sse(data: dict) -> str:
@@ -29,9 +33,14 @@ class ChatShape:
         return ChatLogprobs(content=entries) if call.body.ranked() is not None else None
 
     def whole(self, call: Call) -> ChatCompletion:
-        choices = [ChatChoice(index=c.index, message=ChatMessage(content=c.text.sent),
-                              logprobs=self._logprobs(call, c.logprobs), finish_reason=c.finish_reason())
-                   for c in call.choices]
+        choices = []
+        for c in call.choices:
+            reply = call.structure.read(c.text.sent)
+            calls = [ToolCallOut(id=t.id, function=FunctionCallOut(name=t.name, arguments=t.arguments))
+                     for t in reply.tool_calls]
+            message = ChatMessage(content=reply.content, tool_calls=calls) if calls else ChatMessage(content=reply.content)
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(call, c.logprobs),
+                                      finish_reason=c.finish_reason(reply)))
         return ChatCompletion(id=self.id, created=int(time.time()), model=self.model, choices=choices,
                               usage=call.usage())
 
@@ -46,15 +55,28 @@ class ChatShape:
 
     def piece(self, call: Call, choice: Choice, text: str) -> ChatChunk | None:
         fresh = choice.logprobs[choice.logprobs_sent:]
-        if not text and not fresh:
+        if call.structure.enveloped or (not text and not fresh):
             return None
         choice.logprobs_sent = len(choice.logprobs)
         return self._chunk(call, [ChunkChoice(index=choice.index, delta=Delta(content=text),
                                               logprobs=self._logprobs(call, fresh))])
 
-    def ending(self, call: Call, choice: Choice) -> ChatChunk:
-        return self._chunk(call, [ChunkChoice(index=choice.index, delta=Delta(),
-                                              finish_reason=choice.finish_reason())])
+    def ending(self, call: Call, choice: Choice) -> list[ChatChunk]:
+        out, reply = [], None
+        if call.structure.enveloped:
+            reply = call.structure.read(choice.text.sent)
+            fresh = self._logprobs(call, choice.logprobs[choice.logprobs_sent:])
+            if reply.content:
+                out.append(self._chunk(call, [ChunkChoice(index=choice.index, delta=Delta(content=reply.content),
+                                                          logprobs=fresh)]))
+            for i, t in enumerate(reply.tool_calls):
+                head = ToolCallPiece(index=i, id=t.id, type="function", function=FunctionPiece(name=t.name, arguments=""))
+                body = ToolCallPiece(index=i, function=FunctionPiece(arguments=t.arguments))
+                out += [self._chunk(call, [ChunkChoice(index=choice.index, delta=Delta(tool_calls=[p]))])
+                        for p in (head, body)]
+        out.append(self._chunk(call, [ChunkChoice(index=choice.index, delta=Delta(),
+                                                  finish_reason=choice.finish_reason(reply))]))
+        return out
 
     def usage_chunk(self, call: Call) -> ChatChunk:
         return self._chunk(call, [], usage=call.usage())
@@ -92,9 +114,9 @@ class CompletionShape:
             return None
         return self._object([CompletionChoice(index=choice.index, text=text, finish_reason=None, logprobs=None)])
 
-    def ending(self, call: Call, choice: Choice) -> Completion:
-        return self._object([CompletionChoice(index=choice.index, text="", finish_reason=choice.finish_reason(),
-                                              logprobs=self._logprobs(call, choice.logprobs))])
+    def ending(self, call: Call, choice: Choice) -> list[Completion]:
+        return [self._object([CompletionChoice(index=choice.index, text="", finish_reason=choice.finish_reason(),
+                                               logprobs=self._logprobs(call, choice.logprobs))])]
 
     def usage_chunk(self, call: Call) -> Completion:
         return self._object([], usage=call.usage())

@@ -15,6 +15,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
+from .. import grammar
+from . import structured, templates
 from .calls import Call
 from .engine import ServeEngine
 from .errors import Refused, error_body, error_response, refused, unsupported, validation_message
@@ -71,9 +73,10 @@ async def chat(request: Request):
     body = await read_body(request, ChatRequest, s.settings.max_body_bytes)
     check_model(s, body.model)
     check_vocabulary(s.engine.model.n_vocab, body.vocabulary_ids())
-    tokens = await asyncio.to_thread(chat_tokens, s.engine.model, body)
+    structure = structured.plan(body)
+    tokens = await asyncio.to_thread(chat_tokens, s.engine.model, body, structure)
     call = Call(s.engine, who, body, [tokens], s.engine.max_tokens_for([tokens], body.limit(), "messages"),
-                asyncio.get_running_loop())
+                asyncio.get_running_loop(), structure)
     return await answer(request, call, ChatShape(s.name))
 
 
@@ -92,8 +95,10 @@ async def completions(request: Request):
                  for p in body.prompts()])
     if not all(prompts):
         raise Refused(400, "the prompt is empty", "empty_prompt", "prompt")
+    structure = structured.plan(body)
+    await asyncio.to_thread(check_grammar, model, structure)
     call = Call(s.engine, who, body, prompts, s.engine.max_tokens_for(prompts, body.limit(), "prompt"),
-                asyncio.get_running_loop())
+                asyncio.get_running_loop(), structure)
     return await answer(request, call, CompletionShape(s.name))
 
 
@@ -140,11 +145,26 @@ def check_model(s: Served, name: str) -> None:
                       "model_not_found", "model")
 
 
-def chat_tokens(model, body: ChatRequest) -> list[int]:
-    """The messages through the model's chat template, as tokens (off the event loop: a
-    body of megabytes takes a while)."""
-    text = model.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+def chat_tokens(model, body: ChatRequest, structure: structured.Structure) -> list[int]:
+    """The messages (with the tools told, structured.py) through the model's chat
+    template, as tokens; the grammar checked against the vocabulary. Off the event loop:
+    a body of megabytes takes a while."""
+    source = model.meta("tokenizer.chat_template") or ""
+    messages = structure.messages([m.for_template() for m in body.messages], templates.knows_tools(source))
+    try:
+        text = templates.render(model, messages, structure.tools)
+    except templates.TemplateError as exc:
+        raise Refused(400, str(exc), "invalid_request_error", "messages") from None
+    check_grammar(model, structure)
     return [int(t) for t in model.tokenize(text, add_special=True, parse_special=True)]
+
+
+def check_grammar(model, structure: structured.Structure) -> None:
+    if structure.grammar is not None:
+        try:
+            grammar.check(model, structure.grammar)
+        except grammar.GrammarError as exc:
+            raise Refused(400, f"{structure.param}: {exc}", "invalid_grammar", structure.param) from None
 
 
 async def answer(request: Request, call: Call, shape):
@@ -181,9 +201,10 @@ async def stream_events(call: Call, shape):
                 exc = refused(choice.error)
                 yield sse(error_body(exc.status, str(exc), exc.code))
                 continue
-            chunk = shape.piece(call, choice, text) if kind == "text" else shape.ending(call, choice)
-            if chunk is not None:
-                yield sse(chunk.model_dump())
+            chunks = [shape.piece(call, choice, text)] if kind == "text" else shape.ending(call, choice)
+            for chunk in chunks:
+                if chunk is not None:
+                    yield sse(chunk.model_dump())
         if call.body.usage_in_stream:
             yield sse(shape.usage_chunk(call).model_dump())
         yield "data: [DONE]\n\n"

@@ -1,9 +1,8 @@
 """The OpenAI API's shapes that the server takes and gives, as pydantic types.
 
 Requests: every field is either acted on or refused with a 400 naming it (extra="forbid":
-a field this server does not act on, such as `tools` or `response_format` json_schema,
-is refused rather than silently ignored, so an agent learns at once that it would get
-prose). The few fields that are metadata by nature (`user`, `metadata`, `store`) are
+a field this server does not act on, such as the legacy `functions`, is refused rather
+than silently ignored, so an agent learns at once that it would not get what it asked). The few fields that are metadata by nature (`user`, `metadata`, `store`) are
 accepted. Values are checked here, so a bad one is a 400 naming the field before any
 work starts.
 
@@ -16,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 MAX_N = 16
 MAX_STOP = 4
@@ -31,17 +30,74 @@ class TextPart(BaseModel):
     text: str
 
 
-class Message(BaseModel):
-    """A message the chat template renders: role and text. Tool calls and tool results
-    are refused until the server can render them (role "tool", tool_calls, tool_call_id)."""
+class FunctionCall(BaseModel):
     model_config = STRICT
-    role: Literal["system", "developer", "user", "assistant"]
+    name: str
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    """An assistant's tool call, as a client sends it back in the conversation."""
+    model_config = STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(BaseModel):
+    """A message the chat template renders (templates.py): role and text, an assistant's
+    tool calls, a tool's result (role "tool", with the call's id)."""
+    model_config = STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields_in_place(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message, and only one, has a tool_call_id")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        out = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionDef(BaseModel):
+    model_config = STRICT
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None          # always kept: arguments follow `parameters` exactly
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(BaseModel):
@@ -50,9 +106,27 @@ class StreamOptions(BaseModel):
 
 
 class TextFormat(BaseModel):
-    """response_format as this server honours it: plain text (the default)."""
     model_config = STRICT
     type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None          # always kept: the output follows the schema exactly
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
 
 
 class Sampling(BaseModel):
@@ -76,6 +150,7 @@ class Sampling(BaseModel):
     user: str | None = None                                  # metadata: accepted, not acted on
     metadata: dict[str, Any] | None = None
     store: bool | None = None
+    grammar: str | None = None                               # llama-server's extra: GBNF or Lark
 
     @field_validator("stop")
     @classmethod
@@ -127,7 +202,10 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: TextFormat | None = None
+    response_format: Union[TextFormat, JsonObjectFormat, JsonSchemaFormat, None] = Field(None, discriminator="type")
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -200,9 +278,22 @@ class ChatLogprobs(Shape):
     content: list[TokenLogprob]
 
 
+class FunctionCallOut(Shape):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Shape):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessage(Shape):
+    omit_unset = frozenset({"tool_calls"})
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    tool_calls: Optional[list[ToolCallOut]] = None
 
 
 class ChatChoice(Shape):
@@ -222,10 +313,27 @@ class ChatCompletion(Shape):
     usage: Usage
 
 
+class FunctionPiece(Shape):
+    omit_unset = frozenset({"name", "arguments"})
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class ToolCallPiece(Shape):
+    """One streamed piece of a tool call: the first has its id, type and name; the
+    arguments follow (the client joins them by index)."""
+    omit_unset = frozenset({"id", "type"})
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: FunctionPiece
+
+
 class Delta(Shape):
-    omit_unset = frozenset({"role", "content"})
+    omit_unset = frozenset({"role", "content", "tool_calls"})
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallPiece]] = None
 
 
 class ChunkChoice(Shape):

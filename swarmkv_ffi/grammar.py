@@ -1,0 +1,156 @@
+"""Constrained decoding: a grammar narrows each step's choice to the tokens that keep the
+output valid (a JSON value by schema, any JSON object, a Lark grammar).
+
+The grammar engine is llguidance, what llama.cpp and vLLM use: it compiles a grammar
+against the model's vocabulary (read once per model from libllama, `vocabulary`) and, for
+each generated token, computes the bitmask of the tokens allowed next. We measured it
+against xgrammar on our vocabulary path (docs/serve.md, "Grammars"); llguidance needs no
+other package (xgrammar pulls in torch, transformers and triton) and compiles schemas in
+milliseconds, so a request's first token does not wait on the grammar.
+
+A `Constraint` is one output's state. The scheduler calls, for each row it samples:
+`apply(logits)` (disallowed tokens to -inf, before the sampler chain), then
+`accept(token)` — which starts computing the next mask on a worker thread, so the mask is
+ready by the time the next decode returns (llguidance releases the GIL, libllama too).
+Masking is elementwise on the row's own logits: in exact mode a constrained request
+gives the same tokens alone as among others.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+import llguidance
+
+_TOKENIZERS: dict[str, llguidance.LLTokenizer] = {}
+_TOKENIZERS_LOCK = threading.Lock()
+_MASKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-mask")
+
+
+class GrammarError(ValueError):
+    """A grammar (or JSON schema) llguidance cannot compile; the message says why."""
+
+
+class _Vocab:
+    """What llguidance's TokenizerWrapper reads: every token's bytes (control tokens
+    marked with a leading 0xFF, llguidance's convention, so grammars never write them as
+    text), the end token, and a tokenizer for the grammar's literals."""
+
+    def __init__(self, model):
+        self.tokens = [_piece(model, t) for t in range(model.n_vocab)]
+        self.eos_token_id = model.eos
+        self.bos_token_id = model.bos if model.bos >= 0 else None
+        self._model = model
+
+    def __call__(self, text: bytes) -> list[int]:
+        return [int(t) for t in self._model.tokenize(text.decode("utf-8", "replace"), add_special=False)]
+
+
+def _piece(model, token: int) -> bytes:
+    """A control token renders as nothing unless asked for its special text: that is how
+    it is told apart without a second attribute call."""
+    plain = model.token_bytes(token)
+    special = model.token_bytes(token, special=True)
+    return b"\xff" + special if special and not plain else plain
+
+
+def vocabulary(model) -> llguidance.LLTokenizer:
+    """llguidance's view of the model's vocabulary, built once per model file (about a
+    second for 50k tokens) with every end-of-generation token as an end."""
+    key = str(model.path)
+    with _TOKENIZERS_LOCK:
+        if key not in _TOKENIZERS:
+            ends = [t for t in range(model.n_vocab) if model.is_eog(t)]
+            _TOKENIZERS[key] = llguidance.LLTokenizer(
+                llguidance.TokenizerWrapper(_Vocab(model)), n_vocab=model.n_vocab, eos_token=ends)
+        return _TOKENIZERS[key]
+
+
+# ---- grammars -----------------------------------------------------------------------------
+
+def json_schema(schema: dict) -> str:
+    """A grammar for one JSON value valid against `schema`, written on one line with the
+    separators json.dumps uses (free whitespace lets a small model pad forever). Objects
+    take no property the schema does not list unless it says so (additionalProperties):
+    what OpenAI's strict mode asks, and still valid output where strict is off."""
+    schema = _closed(schema)
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+    except ValueError as exc:
+        raise GrammarError(f"the JSON schema cannot be used: {exc}") from None
+
+
+def _closed(schema):
+    """The schema with additionalProperties false on every object that does not set it."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def any_json_object() -> str:
+    """OpenAI's json_object mode: any JSON object."""
+    return json_schema({"type": "object"})
+
+
+def lark(text: str) -> str:
+    return llguidance.LLMatcher.grammar_from_lark(text)
+
+
+def check(model, grammar: str) -> None:
+    """Raise GrammarError now (the client's 400) rather than at the first token."""
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, vocabulary(model))
+    if failed:
+        raise GrammarError("the grammar cannot be used: " + "; ".join(messages))
+
+
+class Constraint:
+    """One output under a grammar. Not thread-safe: the scheduler's thread drives it."""
+
+    def __init__(self, model, grammar: str):
+        tok = vocabulary(model)
+        self._matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
+        if self._matcher.is_error():
+            raise GrammarError(f"the grammar cannot be used: {self._matcher.get_error()}")
+        self.n_vocab = model.n_vocab
+        self._bits = np.zeros((self.n_vocab + 31) // 32, dtype=np.int32)
+        self._ready: Future | None = _MASKS.submit(self._fill)
+
+    def _fill(self) -> None:
+        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+
+    def allowed(self) -> np.ndarray:
+        """A bool per token: may it come next?"""
+        if self._ready is not None:
+            self._ready.result()
+            self._ready = None
+        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.n_vocab].astype(bool)
+
+    def apply(self, logits: np.ndarray) -> None:
+        """Set the logits of the tokens the grammar forbids next to -inf, in place."""
+        logits[~self.allowed()] = -np.inf
+
+    def accept(self, token: int) -> None:
+        """Record the sampled token and start the next mask. A token the mask allowed
+        always fits; one that does not (a bug) is an error, not a silent drift."""
+        if not self._matcher.consume_token(int(token)):
+            raise GrammarError(f"token {token} does not fit the grammar: {self._matcher.get_error()}")
+        if not self._matcher.is_stopped():
+            self._ready = _MASKS.submit(self._fill)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar allows nothing more (the output is complete)."""
+        return self._matcher.is_stopped()
+
+    def close(self) -> None:
+        if self._ready is not None:
+            self._ready.result()
+            self._ready = None

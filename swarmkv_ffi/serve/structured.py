@@ -1,0 +1,150 @@
+"""What a request's output must be, and reading it back: response_format, tools, grammar.
+
+- `response_format` json_object / json_schema: the output is that JSON (grammar.py
+  compiles the schema), streamed as it comes, as content.
+- `tools` with `tool_choice` "required", a named function or "auto": the model answers in
+  one JSON form, llama.cpp's generic one, which any model can be made to write under a
+  grammar whatever its template:
+      {"tool_calls": [{"name": "lookup", "arguments": {...}}, ...]}
+  or, with "auto" only, {"response": "..."} to answer in words. The grammar makes each
+  call name a tool the request offers, with arguments valid against that tool's
+  `parameters`; `read` turns the JSON into message.tool_calls (with ids made here) or
+  content. The tools and this form are told to the model in the system message, so 16
+  agents with the same tools and document still share one prefix.
+- `grammar` (llama-server's extra): a GBNF or Lark grammar, as content.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from llguidance.gbnf_to_lark import any_to_lark
+
+from .. import grammar as grammars
+from .errors import Refused
+
+FORM = ('Answer with JSON only: {"tool_calls": [{"name": <a tool\'s name>, "arguments": <its arguments>}]} '
+        'to call tools')
+FORM_AUTO = FORM + ', or {"response": <your answer>} to answer without them.'
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str          # JSON text, as OpenAI sends it
+
+
+@dataclass
+class Reply:
+    """An answer read back: its content, or the tools it calls."""
+    content: str | None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass
+class Structure:
+    """grammar: what the output must follow (None: free text). tools: what the system
+    message tells the model (None: nothing). enveloped: the output is the tool JSON form
+    (read it back at the end; nothing is streamed before)."""
+    grammar: str | None = None
+    tools: list[dict] | None = None
+    auto: bool = False
+    enveloped: bool = False
+    response_is_json: bool = False
+    param: str = "grammar"        # the field the grammar comes from, named when it fails
+
+    def messages(self, messages: list[dict], template_knows_tools: bool) -> list[dict]:
+        """The messages with the tools and the answer form told in the system message."""
+        if not self.tools:
+            return messages
+        note = FORM_AUTO if self.auto else FORM + "."
+        if not template_knows_tools:
+            note = "You can call these tools:\n" + json.dumps(self.tools) + "\n" + note
+        if messages and messages[0]["role"] in ("system", "developer"):
+            first = dict(messages[0], content=f"{messages[0]['content'] or ''}\n\n{note}")
+            return [first] + messages[1:]
+        return [{"role": "system", "content": note}] + messages
+
+    def read(self, text: str) -> Reply:
+        """The answer `text` as content or tool calls; text that is not the whole JSON
+        form (cut by max_tokens or a stop string) stays content."""
+        if not self.enveloped:
+            return Reply(text)
+        try:
+            answer = json.loads(text)
+        except ValueError:
+            return Reply(text)
+        if "tool_calls" in answer:
+            return Reply(None, [ToolCall(f"call_{uuid.uuid4().hex[:24]}", c["name"], json.dumps(c["arguments"]))
+                                for c in answer["tool_calls"]])
+        response = answer.get("response")
+        return Reply(response if isinstance(response, str) else json.dumps(response))
+
+
+def plan(body) -> Structure:
+    """The Structure a request asks for; a 400 naming the field when its parts clash or
+    a schema or grammar cannot be compiled (checked against the vocabulary later)."""
+    raw = getattr(body, "grammar", None)
+    fmt = getattr(body, "response_format", None)
+    tools = getattr(body, "tools", None) or []
+    choice = getattr(body, "tool_choice", None)
+    if raw is not None:
+        if tools or (fmt is not None and fmt.type != "text"):
+            raise Refused(400, "grammar cannot be combined with tools or a JSON response_format",
+                          "invalid_request_error", "grammar")
+        return Structure(grammar=_lark(raw))
+    if choice is not None and not tools:
+        raise Refused(400, "tool_choice is only allowed when tools are specified", None, "tool_choice")
+    response = _response_schema(fmt)
+    if not tools or choice == "none":
+        return Structure(grammar=None if response is None else _compile(response, "response_format"),
+                         response_is_json=response is not None, param="response_format")
+    offered = [t.function for t in tools]
+    if not isinstance(choice, (str, type(None))):
+        named = [f for f in offered if f.name == choice.function.name]
+        if not named:
+            raise Refused(400, f"tool_choice names {choice.function.name!r}, which is not in tools",
+                          None, "tool_choice")
+        offered = named
+    auto = choice in (None, "auto")
+    calls = {"type": "array", "items": {"anyOf": [_call_schema(f) for f in offered]}, "minItems": 1}
+    if not body.parallel_tool_calls or not isinstance(choice, (str, type(None))):
+        calls["maxItems"] = 1
+    envelope = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"]}
+    if auto:
+        answer = {"type": "object", "properties": {"response": response or {"type": "string"}},
+                  "required": ["response"]}
+        envelope = {"anyOf": [envelope, answer]}
+    return Structure(grammar=_compile(envelope, "tools"), tools=[t.model_dump(exclude_none=True) for t in tools],
+                     auto=auto, enveloped=True, response_is_json=response is not None, param="tools")
+
+
+def _response_schema(fmt) -> dict | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    return fmt.json_schema.schema_ or {}
+
+
+def _call_schema(function) -> dict:
+    parameters = function.parameters or {"type": "object", "properties": {}}
+    return {"type": "object", "properties": {"name": {"const": function.name}, "arguments": parameters},
+            "required": ["name", "arguments"]}
+
+
+def _compile(schema: dict, param: str) -> str:
+    try:
+        return grammars.json_schema(schema)
+    except grammars.GrammarError as exc:
+        raise Refused(400, f"{param}: {exc}", "invalid_schema", param) from None
+
+
+def _lark(text: str) -> str:
+    """llama-server's `grammar` is GBNF; Lark is taken too (llguidance's own)."""
+    try:
+        return grammars.lark(any_to_lark(text))
+    except Exception as exc:      # the converter and compiler raise their own types
+        raise Refused(400, f"the grammar cannot be used: {exc}", "invalid_grammar", "grammar") from None
