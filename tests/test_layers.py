@@ -22,7 +22,7 @@ LAYERS: list[list[str]] = [
     ["calibration"],                                                    # the kernel rule, handed the library
     ["library"],                                                        # libllama by cffi
     ["_owned", "model", "batch", "exact", "context", "sampler", "arena", "fattn", "shaped_gguf"],   # the binding
-    ["catalog", "snapshot", "prefix_cache", "generate", "probe"],      # models, KV state, one answer
+    ["catalog", "snapshot", "prefix_cache", "generate", "probe", "grammar"],   # models, KV state, one answer
     ["fanout", "fanout.*", "distributed"],                              # the fan-out, and on Ray
     ["conductor", "conductor.protocol", "conductor.lines", "conductor.quotas", "conductor.policy",
      "conductor.kept", "conductor.common_prompts", "conductor.ledger", "conductor.memory",
@@ -32,8 +32,8 @@ LAYERS: list[list[str]] = [
     ["conductor.scheduler"],                                            # the batched steps
     ["conductor.agents", "conductor.access"],                           # the Conductor
     ["conductor.requests", "conductor.server"],                         # its two doors: requests, the socket
-    ["serve", "serve.schemas", "serve.keys", "serve.text", "serve.routing", "serve.persist"],
-    ["serve.errors", "serve.settings"],
+    ["serve", "serve.schemas", "serve.keys", "serve.text", "serve.routing", "serve.persist", "serve.templates"],
+    ["serve.errors", "serve.settings", "serve.structured"],
     ["serve.engine"],                                                   # serve/ on conductor.requests
     ["serve.calls"],
     ["serve.responses"],
