@@ -112,7 +112,9 @@ def check(model, grammar: str) -> None:
 
 
 class Constraint:
-    """One output under a grammar. Not thread-safe: the scheduler's thread drives it."""
+    """One output under a grammar. Not thread-safe: the scheduler's thread drives it, and
+    touches the matcher only once the worker computing a mask is done with it (llguidance
+    refuses a second borrow: "Already mutably borrowed")."""
 
     def __init__(self, model, grammar: str):
         tok = vocabulary(model)
@@ -121,6 +123,7 @@ class Constraint:
             raise GrammarError(f"the grammar cannot be used: {self._matcher.get_error()}")
         self.n_vocab = model.n_vocab
         self._bits = np.zeros((self.n_vocab + 31) // 32, dtype=np.int32)
+        self.finished = False       # the grammar allows nothing more: the output is complete
         self._ready: Future | None = _MASKS.submit(self._fill)
 
     def _fill(self) -> None:
@@ -142,13 +145,9 @@ class Constraint:
         always fits; one that does not (a bug) is an error, not a silent drift."""
         if not self._matcher.consume_token(int(token)):
             raise GrammarError(f"token {token} does not fit the grammar: {self._matcher.get_error()}")
-        if not self._matcher.is_stopped():
+        self.finished = self._matcher.is_stopped()    # read now: the worker below holds the matcher
+        if not self.finished:
             self._ready = _MASKS.submit(self._fill)
-
-    @property
-    def finished(self) -> bool:
-        """The grammar allows nothing more (the output is complete)."""
-        return self._matcher.is_stopped()
 
     def close(self) -> None:
         if self._ready is not None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..batch import Batch
-from ..grammar import Constraint
+from ..grammar import Constraint, GrammarError
 from ..sampler import Sampler, logprobs
 from .common_prompts import PromptTrie
 from .policy import SLICE_SECONDS, Policy, StepCost
@@ -590,18 +590,23 @@ class Scheduler:
 
     def _sample(self, run: Run, ctx, row: int) -> None:
         """The run's next token from its row: under its grammar's mask if it has one
-        (its next mask is then computed while the next decode runs)."""
-        if run.constraint is not None:
-            run.constraint.apply(ctx.logits(row))
-        token = run.sampler.sample(ctx, row)
-        model = run.agent.loaded.model
-        if model.is_eog(token):
-            run.stopped_on_eog = True
-            self._finish(run)
+        (its next mask is then computed while the next decode runs). A grammar that fails
+        fails its own run, never the step of the others."""
+        try:
+            if run.constraint is not None:
+                run.constraint.apply(ctx.logits(row))
+            token = run.sampler.sample(ctx, row)
+            model = run.agent.loaded.model
+            if model.is_eog(token):
+                run.stopped_on_eog = True
+                self._finish(run)
+                return
+            if run.constraint is not None:
+                run.constraint.accept(token)
+                run.completed = run.constraint.finished
+        except GrammarError as exc:
+            self._fail(run, exc)
             return
-        if run.constraint is not None:
-            run.constraint.accept(token)
-            run.completed = run.constraint.finished
         run.generated.append(token)
         run.slice_tokens += 1
         more = True
