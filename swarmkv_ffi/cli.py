@@ -419,7 +419,9 @@ BENCHMARKS = {
     "conductor": ("conductor", "lmxd: KV swap vs re-prefill, STATUS latency under load"),
     "multiuser": ("multiuser", "lmxd: one user's latency while another floods it (needs root)"),
     "agents": ("agents", "lmxd: N agents of one model at once vs llama-server -np N --kv-unified"),
-    "serve": ("serve", "swarmkv serve vs llama-server through the openai client: at once, one by one, turns"),
+    "serve": ("serve", "swarmkv serve vs llama-server through the openai client: at once, one by one, turns, "
+                       "structured"),
+    "grammar": ("grammar", "llguidance vs xgrammar on our vocabulary: compile, mask per token, fidelity"),
 }
 
 

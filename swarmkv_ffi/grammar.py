@@ -39,13 +39,18 @@ class _Vocab:
     text), the end token, and a tokenizer for the grammar's literals."""
 
     def __init__(self, model):
-        self.tokens = [_piece(model, t) for t in range(model.n_vocab)]
+        self.tokens = pieces(model)
         self.eos_token_id = model.eos
         self.bos_token_id = model.bos if model.bos >= 0 else None
         self._model = model
 
     def __call__(self, text: bytes) -> list[int]:
         return [int(t) for t in self._model.tokenize(text.decode("utf-8", "replace"), add_special=False)]
+
+
+def pieces(model) -> list[bytes]:
+    """Every token's bytes, a control token's as 0xFF + its special text."""
+    return [_piece(model, t) for t in range(model.n_vocab)]
 
 
 def _piece(model, token: int) -> bytes:

@@ -11,16 +11,24 @@ warm-up request:
     one_by_one  the same N requests, one after another (llama-server's prompt cache shares the prefix)
     turns       A agents x T turns, at once: each turn appends the answer and a follow-up
     exact       ours with --exact: the N requests at once vs each sent alone, token for token
+    structured  N agents at once, each asking for a JSON object by schema (response_format
+                json_schema, streamed), against llama-server --jinja; then, on one server of
+                ours, the same N at once with and without the schema, alternated, for what
+                the grammar's mask costs per decoded token
     overhead    a 1-token request over HTTP vs the same prompt through generate() in process
 
 Reported: wall seconds per side, llama-server's / ours, tokens, prompt tokens served from
 cache (usage.prompt_tokens_details.cached_tokens, where a side reports it), and how many
 answers have the same text on both sides (the two builds' kernels round differently).
+structured also counts the answers that parse and validate against the schema
+(jsonschema) on each side, and the seconds per decoded token of each stream (from its
+first piece to its last, so the shared prefill is left out): the median over streams.
 Output: serve.json in --out.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -39,6 +47,13 @@ QUESTIONS = ["What is this document about?", "Who may use the work?", "What must
 FOLLOW_UPS = ["Say more about that.", "Give an example.", "Summarise your answer in one sentence."]
 
 
+SCHEMA = {"type": "object",
+          "properties": {"answer": {"type": "string", "maxLength": 200},
+                         "confidence": {"enum": ["low", "medium", "high"]},
+                         "sections": {"type": "array", "items": {"type": "integer", "minimum": 1}, "maxItems": 3}},
+          "required": ["answer", "confidence", "sections"], "additionalProperties": False}
+
+
 def ours(args, cells: int, exact: bool = False) -> HttpServer:
     """`swarmkv serve` on a free loopback port (at least the 512 cells it takes)."""
     return HttpServer(lambda port: [sys.executable, "-m", "swarmkv_ffi.cli", "serve", "--model", args.model,
@@ -47,9 +62,9 @@ def ours(args, cells: int, exact: bool = False) -> HttpServer:
                                     "--parallel", "128"] + (["--exact"] if exact else []), "swarmkv serve")
 
 
-def theirs(args, slots: int, cells_per_slot: int) -> Server:
+def theirs(args, slots: int, cells_per_slot: int, jinja: bool = False) -> Server:
     return Server(args.server, args.model_path, args.threads,
-                  ["-np", str(slots), "--kv-unified", "-c", str(slots * cells_per_slot)])
+                  ["-np", str(slots), "--kv-unified", "-c", str(slots * cells_per_slot)] + (["--jinja"] if jinja else []))
 
 
 def client_of(server, model: str):
@@ -64,13 +79,13 @@ def ask(client, model: str, messages: list[dict], gen: int):
     return client.chat.completions.create(model=model, messages=messages, max_tokens=gen, temperature=0)
 
 
-def cached_of(reply) -> int | None:
-    details = getattr(reply.usage, "prompt_tokens_details", None)
+def cached_of(usage) -> int | None:
+    details = getattr(usage, "prompt_tokens_details", None)
     return getattr(details, "cached_tokens", None) if details is not None else None
 
 
 def summary(wall_s: float, replies: list) -> dict:
-    cached = [cached_of(r) for r in replies]
+    cached = [cached_of(r.usage) for r in replies]
     return {"total_s": wall_s, "texts": [r.choices[0].message.content for r in replies],
             "completion_tokens": sum(r.usage.completion_tokens for r in replies),
             "prompt_tokens": sum(r.usage.prompt_tokens for r in replies),
@@ -106,22 +121,94 @@ def run_turns(client, args, doc: str) -> dict:
     return summary(ms / 1e3, [r for replies in out for r in replies])
 
 
+def streamed(client, model: str, messages: list[dict], gen: int, schema: dict | None) -> dict:
+    """One streamed request: its text, tokens, and seconds per token after its first piece."""
+    kw = {} if schema is None else {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": schema, "strict": True}}}
+    pieces, times, usage = [], [], None
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=gen, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+            times.append(time.perf_counter())
+    tokens = usage.completion_tokens
+    per_token = (times[-1] - times[0]) / (tokens - 1) if tokens > 1 and len(times) > 1 else None
+    return {"text": "".join(pieces), "completion_tokens": tokens, "prompt_tokens": usage.prompt_tokens,
+            "cached": cached_of(usage), "per_token_s": per_token}
+
+
+def valid_json(text: str, schema: dict) -> bool:
+    import jsonschema
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def run_streams(client, args, doc: str, schema: dict | None) -> dict:
+    ms, replies = at_once([lambda m=m: streamed(client, args.model, m, args.gen, schema)
+                           for m in agents_of(doc, args.n)])
+    rates = [r["per_token_s"] for r in replies if r["per_token_s"] is not None]
+    cached = [r["cached"] for r in replies]
+    return {"total_s": ms / 1e3, "texts": [r["text"] for r in replies],
+            "completion_tokens": sum(r["completion_tokens"] for r in replies),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in replies),
+            "cached_tokens": None if None in cached else sum(cached),
+            "valid": None if schema is None else sum(valid_json(r["text"], schema) for r in replies),
+            "per_token_s": statistics.median(rates) if rates else None}
+
+
+def run_structured(client, args, doc: str) -> dict:
+    return run_streams(client, args, doc, SCHEMA)
+
+
+def mask_cost_row(args, doc: str, cells: int) -> dict:
+    """On one server of ours: the N agents at once without and with the schema,
+    alternated --repeat times (after a first run that prefills the document)."""
+    runs = {"free": [], "constrained": []}
+    with ours(args, cells) as server:
+        client = client_of(server, args.model)
+        run_streams(client, args, doc, None)
+        for r in range(max(2, args.repeat)):
+            for kind in (("free", "constrained") if r % 2 == 0 else ("constrained", "free")):
+                runs[kind].append(run_streams(client, args, doc, SCHEMA if kind == "constrained" else None))
+    per_token = {k: statistics.median(x["per_token_s"] for x in v) for k, v in runs.items()}
+    row = {"scenario": "mask_cost", "free_per_token_s": per_token["free"],
+           "constrained_per_token_s": per_token["constrained"],
+           "constrained_over_free": per_token["constrained"] / per_token["free"],
+           "valid": [x["valid"] for x in runs["constrained"]], "answers": args.n,
+           "runs": {k: [{kk: vv for kk, vv in x.items() if kk != "texts"} for x in v] for k, v in runs.items()}}
+    log(f" mask_cost: {per_token['constrained'] * 1e3:.1f} ms per token under the schema, "
+        f"{per_token['free'] * 1e3:.1f} ms free: {row['constrained_over_free']:.2f}x "
+        f"(medians over {args.n} streams at once, {len(runs['free'])} runs each, alternated)")
+    return row
+
+
 def compared(name: str, ours: dict, server: dict) -> dict:
     row = {"scenario": name, "ours": ours, "server": server, "server_over_ours": server["total_s"] / ours["total_s"],
            "same_text": sum(a == b for a, b in zip(ours["texts"], server["texts"])), "answers": len(ours["texts"])}
     log(f"{name:>10}: ours {ours['total_s']:.2f} s, llama-server {server['total_s']:.2f} s, "
         f"llama-server / ours {row['server_over_ours']:.2f}x; cached prompt tokens ours {ours['cached_tokens']} "
         f"llama-server {server['cached_tokens']}; same text {row['same_text']}/{row['answers']}")
+    if ours.get("valid") is not None:
+        log(f"{'':>10}  valid against the schema: ours {ours['valid']}/{row['answers']}, llama-server "
+            f"{server['valid']}/{row['answers']}; per token ours {ours['per_token_s'] * 1e3:.1f} ms, "
+            f"llama-server {server['per_token_s'] * 1e3:.1f} ms; tokens ours {ours['completion_tokens']}, "
+            f"llama-server {server['completion_tokens']}")
     return row
 
 
-def scenario(args, name: str, fn, slots: int, cells_per_slot: int, doc: str) -> dict:
+def scenario(args, name: str, fn, slots: int, cells_per_slot: int, doc: str, jinja: bool = False) -> dict:
     """`--repeat` runs of each side, alternated (so drift on the machine hits both): the
     run of median time of each, with every run's time."""
     runs = {"ours": [], "server": []}
     for r in range(args.repeat):
         for side in (("ours", "server") if r % 2 == 0 else ("server", "ours")):
-            server = ours(args, slots * cells_per_slot) if side == "ours" else theirs(args, slots, cells_per_slot)
+            server = (ours(args, slots * cells_per_slot) if side == "ours"
+                      else theirs(args, slots, cells_per_slot, jinja))
             with server:
                 runs[side].append(fn(client_of(server, args.model), args, doc))
     median = {side: {**sorted(got, key=lambda x: x["total_s"])[len(got) // 2],
@@ -190,15 +277,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="CPU threads, both sides")
     ap.add_argument("--server", type=Path, default=None,
                     help="llama-server binary (default: the stock one from ./build_llama.sh --tools)")
-    ap.add_argument("--scenarios", default="at_once,one_by_one,turns,exact,overhead",
+    ap.add_argument("--scenarios", default="at_once,one_by_one,turns,exact,overhead,structured",
                     help="which to run (default: all)")
     ap.add_argument("--out", type=Path, default=None, help="folder for serve.json")
     args = ap.parse_args(argv)
     wanted = args.scenarios.split(",")
-    unknown = set(wanted) - {"at_once", "one_by_one", "turns", "exact", "overhead"}
+    unknown = set(wanted) - {"at_once", "one_by_one", "turns", "exact", "overhead", "structured"}
     if unknown:
         ap.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
-    if {"at_once", "one_by_one", "turns"} & set(wanted):     # (exact and overhead run ours alone)
+    if {"at_once", "one_by_one", "turns", "structured"} & set(wanted):   # (exact and overhead: ours alone)
         args.server = server_binary(args.server, "swarmkv bench serve")
         if args.server is None:
             return 2
@@ -219,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(exact_row(args, doc))
     if "overhead" in wanted:
         rows.append(overhead_row(args))
+    if "structured" in wanted:
+        rows.append(scenario(args, "structured", run_structured, args.n, per_agent, doc, jinja=True))
+        rows.append(mask_cost_row(args, doc, args.n * per_agent))
     report = {"benchmark": "serve", "model": args.model,
               "server_flags": f"-np SLOTS --kv-unified -c SLOTS*cells -t {args.threads} (its defaults otherwise)",
               "rows": rows}

@@ -73,7 +73,7 @@ async def chat(request: Request):
     body = await read_body(request, ChatRequest, s.settings.max_body_bytes)
     check_model(s, body.model)
     check_vocabulary(s.engine.model.n_vocab, body.vocabulary_ids())
-    structure = structured.plan(body)
+    structure = structured.plan(body, parallel_default=templates.model_knows_tools(s.engine.model))
     tokens = await asyncio.to_thread(chat_tokens, s.engine.model, body, structure)
     call = Call(s.engine, who, body, [tokens], s.engine.max_tokens_for([tokens], body.limit(), "messages"),
                 asyncio.get_running_loop(), structure)
@@ -149,8 +149,7 @@ def chat_tokens(model, body: ChatRequest, structure: structured.Structure) -> li
     """The messages (with the tools told, structured.py) through the model's chat
     template, as tokens; the grammar checked against the vocabulary. Off the event loop:
     a body of megabytes takes a while."""
-    source = model.meta("tokenizer.chat_template") or ""
-    messages = structure.messages([m.for_template() for m in body.messages], templates.knows_tools(source))
+    messages = structure.messages([m.for_template() for m in body.messages], templates.model_knows_tools(model))
     try:
         text = templates.render(model, messages, structure.tools)
     except templates.TemplateError as exc:

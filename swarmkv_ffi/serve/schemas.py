@@ -205,7 +205,7 @@ class ChatRequest(Sampling):
     response_format: Union[TextFormat, JsonObjectFormat, JsonSchemaFormat, None] = Field(None, discriminator="type")
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None     # None: as the template can (structured.plan)
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -83,9 +83,15 @@ class Structure:
         return Reply(response if isinstance(response, str) else json.dumps(response))
 
 
-def plan(body) -> Structure:
+def plan(body, parallel_default: bool = False) -> Structure:
     """The Structure a request asks for; a 400 naming the field when its parts clash or
-    a schema or grammar cannot be compiled (checked against the vocabulary later)."""
+    a schema or grammar cannot be compiled (checked against the vocabulary later).
+
+    parallel_tool_calls, when the request leaves it out, is `parallel_default`: whether
+    the model's template renders several calls, as llama-server decides it. A model
+    taught the calls only by the system message (the generic form) and offered an open
+    list of calls tends to repeat one call until max_tokens (SmolLM2 under the Agents
+    SDK did), so it is offered one call unless the client asks for more."""
     raw = getattr(body, "grammar", None)
     fmt = getattr(body, "response_format", None)
     tools = getattr(body, "tools", None) or []
@@ -109,16 +115,27 @@ def plan(body) -> Structure:
                           None, "tool_choice")
         offered = named
     auto = choice in (None, "auto")
-    calls = {"type": "array", "items": {"anyOf": [_call_schema(f) for f in offered]}, "minItems": 1}
-    if not body.parallel_tool_calls or not isinstance(choice, (str, type(None))):
+    parallel = parallel_default if body.parallel_tool_calls is None else body.parallel_tool_calls
+    tool_dicts = [t.model_dump(exclude_none=True) for t in tools]
+    schema = envelope([t["function"] for t in tool_dicts if t["function"]["name"] in {f.name for f in offered}],
+                      auto=auto, parallel=parallel and isinstance(choice, (str, type(None))), response=response)
+    return Structure(grammar=_compile(schema, "tools"), tools=tool_dicts, auto=auto, enveloped=True,
+                     response_is_json=response is not None, param="tools")
+
+
+def envelope(functions: list[dict], auto: bool, parallel: bool, response: dict | None = None) -> dict:
+    """The JSON schema of the tool-call form: one call (or, `parallel`, one or more) of the
+    `functions` offered (OpenAI's function dicts), each with arguments by its parameters;
+    `auto` also allows {"response": ...} (by `response`, the response_format's schema)."""
+    calls = {"type": "array", "items": {"anyOf": [_call_schema(f) for f in functions]}, "minItems": 1}
+    if not parallel:
         calls["maxItems"] = 1
-    envelope = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"]}
+    schema = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"]}
     if auto:
         answer = {"type": "object", "properties": {"response": response or {"type": "string"}},
                   "required": ["response"]}
-        envelope = {"anyOf": [envelope, answer]}
-    return Structure(grammar=_compile(envelope, "tools"), tools=[t.model_dump(exclude_none=True) for t in tools],
-                     auto=auto, enveloped=True, response_is_json=response is not None, param="tools")
+        schema = {"anyOf": [schema, answer]}
+    return schema
 
 
 def _response_schema(fmt) -> dict | None:
@@ -129,9 +146,9 @@ def _response_schema(fmt) -> dict | None:
     return fmt.json_schema.schema_ or {}
 
 
-def _call_schema(function) -> dict:
-    parameters = function.parameters or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": function.name}, "arguments": parameters},
+def _call_schema(function: dict) -> dict:
+    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
             "required": ["name", "arguments"]}
 
 

@@ -46,9 +46,13 @@ def render(model, messages: list[dict], tools: list[dict] | None = None) -> str:
         raise TemplateError(f"the model's chat template cannot render these messages: {exc}") from None
 
 
-def knows_tools(source: str) -> bool:
+def knows_tools(source: str | None) -> bool:
     """Does the template render tool calls itself? (It names them.)"""
-    return "tool_calls" in source
+    return bool(source) and "tool_calls" in source
+
+
+def model_knows_tools(model) -> bool:
+    return knows_tools(model.meta("tokenizer.chat_template"))
 
 
 def plain_messages(messages: list[dict]) -> list[dict]:
