@@ -421,6 +421,7 @@ BENCHMARKS = {
     "agents": ("agents", "lmxd: N agents of one model at once vs llama-server -np N --kv-unified"),
     "serve": ("serve", "swarmkv serve vs llama-server through the openai client: at once, one by one, turns, "
                        "structured"),
+    "frameworks": ("frameworks", "LangChain, LangGraph and the OpenAI Agents SDK against ours and llama-server --jinja"),
     "grammar": ("grammar", "llguidance vs xgrammar on our vocabulary: compile, mask per token, fidelity"),
 }
 

@@ -3,10 +3,12 @@ output valid (a JSON value by schema, any JSON object, a Lark grammar).
 
 The grammar engine is llguidance, what llama.cpp and vLLM use: it compiles a grammar
 against the model's vocabulary (read once per model from libllama, `vocabulary`) and, for
-each generated token, computes the bitmask of the tokens allowed next. We measured it
-against xgrammar on our vocabulary path (docs/serve.md, "Grammars"); llguidance needs no
-other package (xgrammar pulls in torch, transformers and triton) and compiles schemas in
-milliseconds, so a request's first token does not wait on the grammar.
+each generated token, computes the bitmask of the tokens allowed next. Measured against
+xgrammar on our vocabulary path (`swarmkv bench grammar`, docs/benchmarks.md): its first
+mask comes 7-18x sooner (about a millisecond), it keeps raw control bytes out of JSON
+strings where xgrammar lets one in, and it needs no other package (xgrammar requires
+torch, transformers and triton); xgrammar's later masks are cheaper, but both are far
+under a decode step, and ours is computed beside it.
 
 A `Constraint` is one output's state. The scheduler calls, for each row it samples:
 `apply(logits)` (disallowed tokens to -inf, before the sampler chain), then
@@ -24,12 +26,14 @@ import numpy as np
 
 import llguidance
 
+from .errors import SwarmKVError
+
 _TOKENIZERS: dict[str, llguidance.LLTokenizer] = {}
 _TOKENIZERS_LOCK = threading.Lock()
 _MASKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-mask")
 
 
-class GrammarError(ValueError):
+class GrammarError(SwarmKVError, ValueError):
     """A grammar (or JSON schema) llguidance cannot compile; the message says why."""
 
 

@@ -94,6 +94,21 @@ def test_serve_bench_smoke(tmp_path):
     assert "16/16" not in proc.stderr and "2/2 answers" in proc.stderr
 
 
+def test_grammar_bench_smoke(tmp_path):
+    """llguidance alone (xgrammar is not a dependency): every schema's valid answers are
+    written whole under the masks, its broken one is not, no raw control byte gets into a
+    string, and the JSON says so."""
+    proc = subprocess.run([sys.executable, "-m", "swarmkv_ffi.cli", "bench", "grammar", "--repeat", "1",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "grammar.json").read_text())
+    assert_records_its_settings(report)
+    rows = {r["schema"]: r["llguidance"] for r in report["rows"]}
+    assert sorted(rows) == ["nested", "response", "tool_call"]
+    for r in rows.values():
+        assert r["accepts"] and r["rejects"] and not r["control_bytes_in_strings"] and r["mask_us"] > 0
+
+
 @pytest.mark.slow
 def test_cluster_bench_smoke(tmp_path):
     """The fan-out scenario on a tiny configuration (two simulated clusters), JSON written.

@@ -2,7 +2,7 @@
 and the official `openai` client, as agents send them: response_format json_schema and
 json_object, tools under tool_choice required / named / auto, a streamed tool call the
 client reassembles, a tool loop rendered through the chat template, llama-server's
-`grammar` extra.
+`grammar` extra, and LangChain's structured output and tool binding unmodified.
 
 Every JSON answer is checked with `jsonschema` against the schema the request gave, so a
 mask that lets one wrong token through fails here. The server runs in exact mode, so an
@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+from typing import Literal
 
 import jsonschema
 import pytest
+from pydantic import BaseModel, Field
 
 from corpus import LICENCE
 from serve_process import MODEL, Serve
+
+pytestmark = pytest.mark.slow
 
 DOC = "Document for structured answers.\n" + LICENCE[:1200]
 
@@ -184,6 +188,7 @@ def test_a_tool_loop_continues_from_the_tool_result(client, smol):
     assert message.content or valid_calls(message)
 
 
+@pytest.mark.fidelity
 def test_a_constrained_request_alone_equals_it_among_others(server, client):
     """Exact mode: masks are per row, so the batch around a constrained request does not
     change it: alone, then beside free and other constrained requests, token for token."""
@@ -217,3 +222,29 @@ def test_sixteen_agents_with_the_same_tools_share_one_prefill(server):
     assert cached >= 14 * (prompt - 24), ([r.usage.prompt_tokens_details.cached_tokens for r in replies], prompt)    # all but the first fork the document and tools
     for r in replies:
         valid_calls(r.choices[0].message)
+
+
+class Verdict(BaseModel):
+    """What LangChain's structured output asks for, as a pydantic model."""
+    topic: str = Field(max_length=60)
+    warranty: Literal["yes", "no", "unclear"]
+    sections: list[int] = Field(max_length=3)
+
+
+def test_langchain_structured_output_and_a_named_tool(server):
+    """LangChain's ChatOpenAI, unmodified: with_structured_output(method="json_schema")
+    parses into its pydantic model, and bind_tools with a named tool_choice calls it."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def lookup_section(section: int) -> str:
+        """Read one numbered section of the licence."""
+        return f"Section {section}"
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key="none", model=MODEL, temperature=0, max_tokens=96,
+                     max_retries=0)
+    verdict = llm.with_structured_output(Verdict, method="json_schema").invoke(chat("Is there a warranty?"))
+    assert isinstance(verdict, Verdict)
+    reply = llm.bind_tools([lookup_section], tool_choice="lookup_section").invoke(chat("What does section 3 say?"))
+    assert [c["name"] for c in reply.tool_calls] == ["lookup_section"]
+    assert isinstance(reply.tool_calls[0]["args"]["section"], int)

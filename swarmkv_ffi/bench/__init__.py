@@ -10,4 +10,5 @@ into one output folder; tests never assert timings.
                 llama-bench / llama-batched-bench, our kernels against ggml's
     conductor.py multiuser.py agents.py   lmxd: swap and STATUS, a hostile user, N agents
     serve.py cluster.py   swarmkv serve against llama-server; serve and fan-out on Ray
+    frameworks.py grammar.py   agent frameworks against both servers; llguidance vs xgrammar
 """
