@@ -76,6 +76,8 @@ class Structure:
             answer = json.loads(text)
         except ValueError:
             return Reply(text)
+        if not isinstance(answer, dict):
+            return Reply(text)
         if "tool_calls" in answer:
             return Reply(None, [ToolCall(f"call_{uuid.uuid4().hex[:24]}", c["name"], json.dumps(c["arguments"]))
                                 for c in answer["tool_calls"]])
