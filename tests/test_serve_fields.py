@@ -108,6 +108,23 @@ def test_a_field_it_does_not_act_on_is_a_400_that_names_it(server, extra, param)
     assert reply["error"]["param"] == param and param in reply["error"]["message"], reply
 
 
+@pytest.mark.parametrize("path,extra,param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "say a\u0000 and b"}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages.0.content.0.text"),
+    ("/v1/chat/completions", {"messages": QUESTION, "stop": ["x", "\udfff"]}, "stop.1"),
+    ("/v1/chat/completions", {"messages": QUESTION, "tools": [{"type": "function", "function": {
+        "name": "f", "description": "\ud83d", "parameters": {"type": "object"}}}]}, "tools.0.function.description"),
+    ("/v1/completions", {"prompt": ["fine", "cut\u0000here"]}, "prompt.1"),
+])
+def test_text_the_tokenizer_cannot_take_whole_is_a_400_that_names_it(server, path, extra, param):
+    """A NUL (a C string would end there, dropping the rest unsaid) or a lone surrogate
+    (valid JSON, not valid Unicode: it was a plain-text 500) is refused before any work."""
+    code, reply = post(server, path, {"model": MODEL, "max_tokens": 2, **extra})
+    assert code == 400, reply
+    assert reply["error"]["param"] == param and reply["error"]["code"] == "invalid_text", reply
+
+
 def test_the_openai_client_sees_a_refusal_as_a_bad_request(client):
     with pytest.raises(openai.BadRequestError, match="functions"):
         client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2,

@@ -22,7 +22,7 @@ from .engine import ServeEngine
 from .errors import Refused, error_body, error_response, refused, unsupported, validation_message
 from .keys import Keys
 from .responses import ChatShape, CompletionShape, sse
-from .schemas import ChatRequest, CompletionRequest, ModelCard, ModelList
+from .schemas import ChatRequest, CompletionRequest, ModelCard, ModelList, bad_text
 from .settings import Settings
 
 
@@ -122,7 +122,11 @@ async def capped_body(request: Request, max_body_bytes: int) -> bytes:
 async def read_body(request: Request, schema, max_body_bytes: int):
     raw = await capped_body(request, max_body_bytes)
     try:
-        return schema.model_validate(json.loads(raw))
+        body = json.loads(raw)
+        bad = bad_text(body)
+        if bad is not None:
+            raise Refused(400, f"{bad[0]}: the text {bad[1]}", "invalid_text", bad[0] or None)
+        return schema.model_validate(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise Refused(400, f"the body is not valid JSON: {exc}", "invalid_json") from None
     except ValidationError as exc:
