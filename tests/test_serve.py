@@ -244,15 +244,22 @@ def test_a_client_that_leaves_mid_stream_leaves_the_others_alone(exact):
 
 
 def test_sixteen_at_once_share_one_prefill_in_fast_mode(tmp_path):
-    """(And a key over its quota of choices in flight gets 429, before any work.)"""
+    """(And a key over its quota of choices in flight gets 429, before any work; a request
+    over the quota whatever runs beside it gets 400: retrying could never help.)"""
     with Serve("--ctx-size", "16384", "--parallel", "40", "--max-requests-per-key", "16",
                log=tmp_path / "serve.log") as server:
         client, doc = server.client(), document("fast")
         with cf.ThreadPoolExecutor(16) as pool:
             replies = list(pool.map(lambda i: ask(client, chat(doc, f"Question {i}: what is section {i}?")),
                                     range(16)))
-        with pytest.raises(openai.RateLimitError, match="the limit per key is 16"):
+        with pytest.raises(openai.BadRequestError, match="at most 16 at once"):
             client.completions.create(model=MODEL, prompt=["a", "b"], n=9, max_tokens=2)
+        running = client.completions.create(model=MODEL, prompt="Once upon a time", n=10, max_tokens=200,
+                                            stream=True)
+        next(iter(running))                                   # admitted: its 10 choices are in flight
+        with pytest.raises(openai.RateLimitError, match="the limit per key is 16"):
+            client.completions.create(model=MODEL, prompt="a", n=8, max_tokens=2)
+        running.close()
     n_doc = replies[0].usage.prompt_tokens - 40
     assert sorted(cached(r) >= n_doc for r in replies) == [False] + [True] * 15
     assert all(r.choices[0].message.content.strip() for r in replies)

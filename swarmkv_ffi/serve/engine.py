@@ -89,8 +89,13 @@ class ServeEngine:
         return asked
 
     def admit(self, owner: int, n: int) -> None:
-        """Count n choices in flight for owner, or refuse (429: over its share, 503: the
-        server is full or stopping). Pair with leave()."""
+        """Count n choices in flight for owner, or refuse (400: more than a key may ever
+        run at once, so retrying cannot help; 429: over its share now; 503: the server is
+        full or stopping). Pair with leave()."""
+        if n > min(self.max_per_owner, self.max_requests):
+            raise Refused(400, f"this request asks for {n} choices (n x prompts); a key may run at most "
+                          f"{min(self.max_per_owner, self.max_requests)} at once (--max-requests-per-key, "
+                          "--max-requests): split it", "too_many_choices", "n")
         with self._lock:
             if self.stopping:
                 raise Refused(503, "the server is stopping", "server_stopping")
