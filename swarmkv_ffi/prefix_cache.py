@@ -174,6 +174,7 @@ class PrefixCache:
         if keyed is None:
             keyed = os.environ.get(ENV_KEYED, "") not in ("", "0")
         self._secret = self._load_secret() if keyed else None
+        self._naming: bytes | None = self._secret
 
     @classmethod
     def open_optional(cls, root: str | Path | None = None, max_bytes: int | None = None,
@@ -204,6 +205,15 @@ class PrefixCache:
         if len(secret) != 32:
             raise CacheFolderError(f"{path} is not a 32-byte key")
         return secret
+
+    def name_for(self, secret: bytes) -> str:
+        """A stable name for `secret` (an API key) that entries may carry: BLAKE2b keyed
+        with the folder's secret (made on first use), so the same key gets the same name
+        in every process over this folder, whatever its place in a key file, and the name
+        tells nothing of the key to anyone without the folder's secret."""
+        if self._naming is None:       # (not self._secret: that one turns on entries' MACs)
+            self._naming = self._load_secret()
+        return hashlib.blake2b(secret, key=self._naming, digest_size=16, person=b"swarmkv-owner").hexdigest()
 
     def _mac(self, path: Path) -> str:
         mac = hashlib.blake2b(key=self._secret, digest_size=32)

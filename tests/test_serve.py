@@ -268,7 +268,7 @@ def test_sixteen_at_once_share_one_prefill_in_fast_mode(tmp_path):
 def test_a_restarted_server_restores_a_shared_document_from_the_cache(tmp_path):
     """--cache-dir: the document two requests shared is written once; a new server over the
     same folder restores it for that key (same tokens and logprobs as computed, exact
-    mode) and not for another key."""
+    mode) and not for another key, whatever the keys' order in the key file."""
     keys = tmp_path / "keys"
     keys.write_text(f"{KEY_A}\n{KEY_B}\n")
     cache = tmp_path / "cache"
@@ -288,6 +288,14 @@ def test_a_restarted_server_restores_a_shared_document_from_the_cache(tmp_path):
     assert again.choices[0].message.content == first.choices[0].message.content
     assert logprobs(again) == logprobs(first)
     assert cached(other) == 0
+    # Entries are the key's, not its line's: with the lines swapped, key B (now on key A's
+    # line) still gets nothing, and key A (moved) still restores its document.
+    keys.write_text(f"{KEY_B}\n{KEY_A}\n")
+    with Serve(*flags, log=tmp_path / "third.log") as server:
+        swapped = ask(server.client(KEY_B), chat(doc, "Is there a warranty?"))
+        moved = ask(server.client(KEY_A), chat(doc, "Is there a warranty?"))
+    assert cached(swapped) == 0
+    assert cached(moved) == cached(first)
 
 
 @pytest.mark.fidelity

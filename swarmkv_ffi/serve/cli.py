@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ray is not None:
         from .on_ray import run
         return run(args, settings, keys.mapping())
-    engine = ServeEngine(settings, threads=args.threads, budget_bytes=args.budget_bytes)
+    engine = ServeEngine(settings, keys, threads=args.threads, budget_bytes=args.budget_bytes)
     app = create_app(engine, keys, settings)
     server = uvicorn.Server(uvicorn_config(app, args.host, args.port, settings.max_requests, args.verbose))
     mode = "exact" if settings.exact else "fast"

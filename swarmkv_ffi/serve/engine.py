@@ -23,6 +23,7 @@ from ..conductor.policy import Policy
 from ..conductor.requests import ContextFull, RequestPool, RequestResult
 from ..prefix_cache import PrefixCache
 from .errors import Refused, context_exceeded, refused
+from .keys import Keys
 from .persist import PrefixStore
 from .settings import Settings
 
@@ -42,20 +43,20 @@ class Job:
 
 
 class ServeEngine:
-    """One model served to owners (API keys), as `settings` say. conductor: lmxd's (lmxd
+    """One model served to owners (API keys, `keys`), as `settings` say. conductor: lmxd's (lmxd
     --http), else one of its own with its own ledger (budget_bytes) and threads; there,
     one key alone gets whole n_batch steps, as llama-server's slots do, and between keys
     lmxd's fair step cap applies."""
 
-    def __init__(self, settings: Settings, *, threads: int | None = None, budget_bytes: int | None = None,
-                 conductor: Conductor | None = None):
+    def __init__(self, settings: Settings, keys: Keys, *, threads: int | None = None,
+                 budget_bytes: int | None = None, conductor: Conductor | None = None):
         self.settings = settings
         self.memory = None if conductor is not None else DeviceMemory(budget_bytes=budget_bytes)
         try:
             self.conductor = conductor or Conductor(Ledger(self.memory.budget), n_threads=threads,
                                                     policy=Policy(lone_step_seconds=None))
             cache = PrefixCache.open_optional(settings.cache_dir) if settings.cache_dir is not None else None
-            self.store = PrefixStore(cache) if cache is not None else None
+            self.store = PrefixStore(cache, keys.key_of) if cache is not None else None
             self.pool = RequestPool(self.conductor, settings.model, cells=settings.ctx_size,
                                     seqs=settings.parallel, exact=settings.exact,
                                     share=settings.share_prefixes, store=self.store)

@@ -44,7 +44,7 @@ class Front:
         host, port = parse_address(address)
         settings.check()
         keys = settings.keys(host)
-        self.engine = ServeEngine(settings, conductor=conductor)
+        self.engine = ServeEngine(settings, keys, conductor=conductor)
         app = create_app(self.engine, keys, settings)
         self.server = uvicorn.Server(uvicorn_config(app, host, port, settings.max_requests, 0))
         self.thread = threading.Thread(target=self.server.run, name="lmxd-http", daemon=True)

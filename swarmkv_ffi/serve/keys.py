@@ -58,5 +58,9 @@ class Keys:
                 found = OWNER_BASE + 1 + i
         return found
 
+    def key_of(self, owner: int) -> bytes | None:
+        """The API key `owner` stands for (None: the open server's one owner)."""
+        return None if owner == OPEN else self._keys[owner - OWNER_BASE - 1][0].encode()
+
     def name(self, owner: int) -> str:
         return "open" if owner == OPEN else self._keys[owner - OWNER_BASE - 1][1]

@@ -150,8 +150,9 @@ class Replica:
         from .app import create_app
         from .engine import ServeEngine
         from .keys import Keys
-        self.engine = ServeEngine(settings, threads=threads, budget_bytes=budget_bytes)
-        self.app = create_app(self.engine, Keys(keys), settings)
+        keys = Keys(keys)
+        self.engine = ServeEngine(settings, keys, threads=threads, budget_bytes=budget_bytes)
+        self.app = create_app(self.engine, keys, settings)
         self.id = serve.get_replica_context().replica_id.unique_id
 
     async def __call__(self, request: Forwarded):

@@ -6,7 +6,8 @@ When a request forks a prefix of RECALL_MIN tokens or more from another request'
 that prefix is one that requests share (a document, a system prompt, a conversation's
 opening): its KV state is captured (the request's sequence holds exactly it at that
 moment) and written to the prefix cache (prefix_cache.py) by a thread of its own, keyed
-by the model, the pool's KV layout, the tokens and the owner. A request whose pool
+by the model, the pool's KV layout, the tokens and the owner's API key (a name derived
+from it, `_signature`). A request whose pool
 holds less than RECALL_MIN tokens of its prompt looks for the longest stored prefix of
 it, of its own owner, and restores it instead of decoding it.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from typing import Callable
 
 from ..errors import SwarmKVError, describe
 from ..prefix_cache import PrefixCache
@@ -34,16 +36,21 @@ class PrefixStore:
     """kept.PrefixStore on a PrefixCache, with a writer thread of its own."""
     min_tokens = RECALL_MIN
 
-    def __init__(self, cache: PrefixCache):
+    def __init__(self, cache: PrefixCache, key_of: Callable[[int], bytes | None]):
         self.cache = cache
+        self._key_of = key_of        # owner -> its API key (None: no keys)
         self._stored: set[tuple[int, str]] = set()          # (owner, tokens hash) written or queued
         self._queue: queue.Queue = queue.Queue(maxsize=4)
         self._thread = threading.Thread(target=self._write, name="serve-prefix-store", daemon=True)
         self._thread.start()
 
-    @staticmethod
-    def _signature(ctx, owner: int) -> dict:
-        return {**context_signature(ctx), "owner": owner}
+    def _signature(self, ctx, owner: int) -> dict:
+        """Entries are signed with a name derived from the owner's API key and the
+        folder's secret, never with the owner's number: that is the key's place in the key
+        file, and a reordered file (or another server on the folder) would hand one key's
+        prefixes to another."""
+        key = self._key_of(owner)
+        return {**context_signature(ctx), "owner": "open" if key is None else self.cache.name_for(key)}
 
     def remember(self, owner: int, tokens: list[int], ctx, seq: int, n: int) -> None:
         """`seq` holds exactly tokens[:n], a prefix another request shared: store it once
