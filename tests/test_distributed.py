@@ -21,8 +21,10 @@ OPTS = dict(n_batch=64)
 def cluster():
     from swarmkv_ffi.distributed import loopback_only
     loopback_only()
-    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
-             ignore_reinit_error=True)
+    # address="local": a Ray of its own, never one already running on the machine (a
+    # user's, or another test run's: attaching to it failed with "num_cpus must not be provided")
+    ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
+             log_to_driver=False, ignore_reinit_error=True)
     yield
     ray.shutdown()
 
