@@ -120,6 +120,12 @@ def check(model, grammar: str) -> None:
         raise GrammarError("the grammar cannot be used: " + "; ".join(messages))
 
 
+def unpack(bits: np.ndarray, n_vocab: int) -> np.ndarray:
+    """A token bitmask (32 tokens a word, lowest bit first, as llguidance and xgrammar
+    write it) as a bool per token."""
+    return np.unpackbits(bits.view(np.uint8), bitorder="little")[:n_vocab].astype(bool)
+
+
 class Constraint:
     """One output under a grammar. Not thread-safe: the scheduler's thread drives it, and
     touches the matcher only once the worker computing a mask is done with it (llguidance
@@ -143,7 +149,7 @@ class Constraint:
         if self._ready is not None:
             self._ready.result()
             self._ready = None
-        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.n_vocab].astype(bool)
+        return unpack(self._bits, self.n_vocab)
 
     def apply(self, logits: np.ndarray) -> None:
         """Set the logits of the tokens the grammar forbids next to -inf, in place."""

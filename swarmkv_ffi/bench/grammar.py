@@ -106,7 +106,7 @@ class _LlgMatcher:
         return self.bits
 
     def allowed(self) -> np.ndarray:
-        return np.unpackbits(self.bits.view(np.uint8), bitorder="little")[:self.n_vocab].astype(bool)
+        return grammar.unpack(self.bits, self.n_vocab)
 
     def accept(self, token: int) -> bool:
         return self.m.consume_token(token)
@@ -135,18 +135,16 @@ class Xgrammar:
 
 class _XgrMatcher:
     def __init__(self, xgr, compiled, n_vocab: int):
-        import torch
         self.m = xgr.GrammarMatcher(compiled)
         self.bits = xgr.allocate_token_bitmask(1, n_vocab)
-        self.n_vocab, self.torch = n_vocab, torch
+        self.n_vocab = n_vocab
 
     def mask(self):
         self.m.fill_next_token_bitmask(self.bits)
         return self.bits
 
     def allowed(self) -> np.ndarray:
-        words = self.bits[0].numpy().view(np.uint8)
-        return np.unpackbits(words, bitorder="little")[:self.n_vocab].astype(bool)
+        return grammar.unpack(self.bits[0].numpy(), self.n_vocab)
 
     def accept(self, token: int) -> bool:
         return self.m.accept_token(token)
@@ -174,7 +172,9 @@ def replay(engine, compiled, vocab: list[bytes], text: str, end: int) -> tuple[l
         left = left[len(vocab[token]):]
 
 
-def measure(engine, model, vocab: list[bytes], name: str, schema: dict, repeat: int) -> dict:
+def measure(engine, model, vocab: list[bytes], name: str, schema: dict, repeat: int, control: bool) -> dict:
+    """One engine on one schema; `control`: control_in_string's answer for the engine
+    (the same for every schema, so found once), repeated in each row."""
     first = []
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -189,7 +189,7 @@ def measure(engine, model, vocab: list[bytes], name: str, schema: dict, repeat: 
     _, broken_whole, _ = replay(engine, compiled, vocab, BROKEN[name], model.eos)
     return {"first_mask_ms": statistics.median(first) * 1e3, "mask_us": statistics.median(times) * 1e6,
             "mask_us_max": max(times) * 1e6, "steps": len(times), "accepts": accepts,
-            "rejects": not broken_whole, "control_bytes_in_strings": control_in_string(engine, vocab, model.eos)}
+            "rejects": not broken_whole, "control_bytes_in_strings": control}
 
 
 def control_in_string(engine, vocab: list[bytes], end: int) -> bool:
@@ -220,9 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as exc:
             log(f"xgrammar not measured ({exc}); `pip install xgrammar` in this venv to include it")
         vocab = text_pieces(model)
+        control = {e.name: control_in_string(e, vocab, model.eos) for e in engines}
         rows = []
         for name, schema in schemas().items():
-            row = {"schema": name, **{e.name: measure(e, model, vocab, name, schema, args.repeat) for e in engines}}
+            row = {"schema": name, **{e.name: measure(e, model, vocab, name, schema, args.repeat, control[e.name])
+                                      for e in engines}}
             rows.append(row)
             for e in engines:
                 r = row[e.name]

@@ -109,18 +109,17 @@ def plan(body, parallel_default: bool = False) -> Structure:
     if not tools or choice == "none":
         return Structure(grammar=None if response is None else _compile(response, "response_format"),
                          response_is_json=response is not None, param="response_format")
-    offered = [t.function for t in tools]
-    if not isinstance(choice, (str, type(None))):
-        named = [f for f in offered if f.name == choice.function.name]
-        if not named:
+    tool_dicts = [t.model_dump(exclude_none=True) for t in tools]
+    offered = [t["function"] for t in tool_dicts]
+    named = not isinstance(choice, (str, type(None)))
+    if named:
+        offered = [f for f in offered if f["name"] == choice.function.name]
+        if not offered:
             raise Refused(400, f"tool_choice names {choice.function.name!r}, which is not in tools",
                           None, "tool_choice")
-        offered = named
     auto = choice in (None, "auto")
     parallel = parallel_default if body.parallel_tool_calls is None else body.parallel_tool_calls
-    tool_dicts = [t.model_dump(exclude_none=True) for t in tools]
-    schema = envelope([t["function"] for t in tool_dicts if t["function"]["name"] in {f.name for f in offered}],
-                      auto=auto, parallel=parallel and isinstance(choice, (str, type(None))), response=response)
+    schema = envelope(offered, auto=auto, parallel=parallel and not named, response=response)
     return Structure(grammar=_compile(schema, "tools"), tools=tool_dicts, auto=auto, enveloped=True,
                      response_is_json=response is not None, param="tools")
 
