@@ -125,6 +125,17 @@ def test_text_the_tokenizer_cannot_take_whole_is_a_400_that_names_it(server, pat
     assert reply["error"]["param"] == param and reply["error"]["code"] == "invalid_text", reply
 
 
+def test_a_body_nested_too_deeply_to_parse_is_a_400(server):
+    """Deeper than Python's JSON parser goes: a 400 in OpenAI's shape, not a 500."""
+    deep = '{"model": "%s", "messages": %s}' % (MODEL, "[" * 100_000 + "]" * 100_000)
+    req = urllib.request.Request(server.url + "/v1/chat/completions", data=deep.encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=120)
+    assert info.value.code == 400
+    assert json.loads(info.value.read())["error"]["code"] == "invalid_json"
+
+
 def test_the_openai_client_sees_a_refusal_as_a_bad_request(client):
     with pytest.raises(openai.BadRequestError, match="functions"):
         client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2,

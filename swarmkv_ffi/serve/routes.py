@@ -129,6 +129,8 @@ async def read_body(request: Request, schema, max_body_bytes: int):
         return schema.model_validate(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise Refused(400, f"the body is not valid JSON: {exc}", "invalid_json") from None
+    except RecursionError:
+        raise Refused(400, "the body is nested too deeply to parse", "invalid_json") from None
     except ValidationError as exc:
         message, param = validation_message(exc)
         raise Refused(400, message, "unsupported_parameter" if unsupported(exc) else None, param) from None

@@ -24,26 +24,38 @@ MAX_LOGIT_BIAS = 300            # OpenAI's own limit on logit_bias entries
 STRICT = ConfigDict(extra="forbid")
 
 
-def bad_text(body, path: str = "") -> tuple[str, str] | None:
+def bad_text(body) -> tuple[str, str] | None:
     """The first string in a parsed JSON body that the server cannot tokenize or render
     whole, as (its field's path, why), or None. A NUL would end the text early in a C
     string below (the rest of the message gone without a word); a lone surrogate
     ("\\ud800" is valid JSON) cannot be encoded as UTF-8. Checked on the raw body, once,
-    so every field is covered, names and schemas included."""
-    if isinstance(body, str):
-        if "\x00" in body:
-            return path, "holds a NUL character (U+0000)"
-        try:
-            body.encode("utf-8")
-        except UnicodeEncodeError:
-            return path, "holds a lone surrogate: it is not valid Unicode"
-        return None
-    items = body.items() if isinstance(body, dict) else enumerate(body) if isinstance(body, list) else ()
-    for key, value in items:
-        found = bad_text(key, path) if isinstance(key, str) else None
-        found = found or bad_text(value, f"{path}.{key}" if path else str(key))
-        if found:
-            return found
+    so every field is covered, names and schemas included; walked with a stack, not by
+    recursion, so a body nested as deep as the JSON parser allows cannot overflow it."""
+    stack = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            why = _text_fault(value)
+            if why:
+                return path, why
+            continue
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        inner = []
+        for key, item in items:
+            if isinstance(key, str) and _text_fault(key):
+                return path, _text_fault(key)
+            inner.append((f"{path}.{key}" if path else str(key), item))
+        stack.extend(reversed(inner))          # (in order: the first fault is the one named)
+    return None
+
+
+def _text_fault(text: str) -> str | None:
+    if "\x00" in text:
+        return "holds a NUL character (U+0000)"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "holds a lone surrogate: it is not valid Unicode"
     return None
 
 
