@@ -33,7 +33,9 @@ and reopened smaller.
 A request pool (requests.py: the pool a RequestPool opens, which serve/ submits to) has a
 fixed size and keeps the cells of finished requests (`kept`, least recently used first
 out) so that a later request that starts with the same tokens forks them instead of
-decoding them again: a radix cache over the pool's cells, matched per owner (kept.py). A seat there still books its whole
+decoding them again: a radix cache over the pool's cells, matched per owner (kept.py).
+Room for a new request is made from kept sequences only as far as it falls short, its
+owner's first, another owner's only beyond its fair share (evict_for). A seat there still books its whole
 n_ctx, whatever it forked: the sum of seats and kept entries bounds the cells in use
 however entries share cells, so evicting one can never overfill the pool.
 """
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from ..context import Context
+from ..errors import SwarmKVError
 from ..snapshot import Snapshot
 from .kept import Kept, PrefixStore, longest_common_prefix
 
@@ -54,6 +57,11 @@ MAX_SEQS = 256
 #: its cells, wherever they sit, widen the range of cells every later step attends over
 #: (a 10-token kept request below a 1.6k-token prompt made its prefill 25 % slower).
 KEEP_MIN = 32
+
+
+class NoRoom(SwarmKVError):
+    """A request that cannot be seated in its request pool and would wait for nothing:
+    no request runs there, and what is free and evictable for it is too little."""
 
 
 @dataclass(frozen=True)
@@ -355,12 +363,51 @@ class Pool:
         self.free_seqs.append(seq)
 
     def evict_for(self, agent) -> bool:
-        """Drop kept sequences, least recently used first, until `agent` fits."""
-        for seq in sorted(self.kept, key=lambda s: self.kept[s].last_used):
-            if self.fits(agent):
+        """Make room for `agent` by dropping kept sequences, or drop none: only as many as
+        its shortfall takes, never the one it is about to fork, its owner's own first
+        (least recently used first), then others' only while their owner keeps more cells
+        than its fair share of the pool. True when it fits."""
+        seqs, cells = self.need(agent)
+        short_seqs, short_cells = seqs - len(self.free_seqs), cells - self.cells_free
+        chosen = []
+        for seq in self._evictable(agent):
+            if short_seqs <= 0 and short_cells <= 0:
                 break
+            chosen.append(seq)
+            short_seqs, short_cells = short_seqs - 1, short_cells - len(self.kept[seq].tokens)
+        if short_seqs > 0 or short_cells > 0:
+            return False            # it would not fit anyway: nothing is lost while it waits
+        for seq in chosen:
             self.evict(seq)
         return self.fits(agent)
+
+    def _evictable(self, agent):
+        """The kept sequences `agent` may evict, in the order it should."""
+        _, source = self.match(agent)
+        owners = {k.owner for k in self.kept.values()} | {s.agent.owner for s in self.seats.values()} | {agent.owner}
+        fair = self.ctx.n_ctx // len(owners)
+        held: dict[int, int] = {}
+        for kept in self.kept.values():
+            held[kept.owner] = held.get(kept.owner, 0) + len(kept.tokens)
+        by_age = sorted((seq for seq in self.kept if seq != source), key=lambda s: self.kept[s].last_used)
+        yield from (seq for seq in by_age if self.kept[seq].owner == agent.owner)
+        for seq in by_age:
+            kept = self.kept[seq]
+            if kept.owner != agent.owner and held[kept.owner] > fair:
+                held[kept.owner] -= len(kept.tokens)
+                yield seq
+        if source in self.kept and (self.kept[source].owner == agent.owner or held[self.kept[source].owner] > fair):
+            yield source            # last: prefilling it again beats never running
+
+    def no_room(self, agent) -> str:
+        """Why `agent` cannot be seated while nothing runs here, in numbers."""
+        seqs, cells = self.need(agent)
+        owners = {k.owner for k in self.kept.values()} | {agent.owner}
+        others = sum(len(k.tokens) for k in self.kept.values() if k.owner != agent.owner)
+        return (f"the request needs {cells} KV cells and {seqs} sequence(s); the pool has {self.ctx.n_ctx} "
+                f"cells, {self.cells_free} free and {len(self.free_seqs)} sequences free, and other keys keep "
+                f"{others} cells of cached prefixes, within their fair share ({self.ctx.n_ctx // len(owners)} "
+                "cells each), which are not evicted for it: ask for fewer tokens (max_tokens), or retry later")
 
     def unseat(self, agent, pause: bool) -> None:
         """Free `agent`'s sequence; pause=True keeps its KV in host RAM first (or marks it

@@ -24,13 +24,14 @@ from typing import Callable
 
 from .agents import Agent, Conductor, ConductorError, ContextFull, check_context
 from .kept import PrefixStore
-from .pool import MAX_SEQS, Fixed, Kind
+from .pool import MAX_SEQS, Fixed, Kind, NoRoom
 from .scheduler import Run, Stopping
 
 #: What a caller of this door needs, all from here: the pool, its handles, the most
-#: sequences a pool takes, and the three ways a request is refused (ContextFull is a
-#: ConductorError).
-__all__ = ["MAX_SEQS", "ConductorError", "ContextFull", "PrefixStore", "Request", "RequestPool", "RequestResult", "Stopping"]
+#: sequences a pool takes, and the four ways a request is refused (ContextFull is a
+#: ConductorError; NoRoom: nothing running would free what it needs).
+__all__ = ["MAX_SEQS", "ConductorError", "ContextFull", "NoRoom", "PrefixStore", "Request", "RequestPool",
+           "RequestResult", "Stopping"]
 
 _pool_ids = itertools.count(1)
 

@@ -43,7 +43,7 @@ from ..grammar import Constraint, GrammarError
 from ..sampler import Sampler, logprobs
 from .common_prompts import PromptTrie
 from .policy import SLICE_SECONDS, Policy, StepCost
-from .pool import Kind, Pool, PoolKey, pool_key
+from .pool import Kind, NoRoom, Pool, PoolKey, pool_key
 
 log = logging.getLogger("lmxd")
 
@@ -423,6 +423,9 @@ class Scheduler:
         user who has used the most gives its seat up. False when `run` must wait."""
         if pool.fits(run.agent) or (pool.kept and pool.evict_for(run.agent)):
             return True
+        if pool.fixed is not None and not pool.seats and not pool.fits_after_flush(run.agent):
+            self._finish(run, error=NoRoom(pool.no_room(run.agent)))   # nothing will free
+            return False
         seqs, cells = pool.need(run.agent)
         if pool.fits_after_flush(run.agent):
             pool.flush_tombs()     # the cells others left behind: freed, and the pool rebuilt at their cost
@@ -477,7 +480,8 @@ class Scheduler:
         re-reads (DECODEs starting together from one point with their common tokens once,
         common_prompts.py), the shortest first, in what the step cap leaves (policy.py:
         kept within its ratio of the decode rows alone, or, with none, of the shortest
-        prompt alone); each user is charged the step's time by the rows it put in."""
+        prompt alone); each user is charged the step's time by the rows it put in, and
+        the host work on its rows after it (sampling, logprobs, its callbacks) as measured."""
         pool = self.live
         ctx = pool.ctx
         if self._step_batch is None or self._step_batch.capacity != ctx.n_batch \
@@ -522,13 +526,17 @@ class Scheduler:
         decode_rows = sum(n for run, _, n, _ in plan if run in decoding)
         self._cost(pool).observe(decode_rows, batch.n_tokens - decode_rows, seconds)
         self._charge(self.policy.by_rows(rows, seconds))
+        host: dict[int, float] = {}      # each owner's sampling, logprobs, stop strings, cache
         for run, seat, n, row in plan:
             run.batch_max = max(run.batch_max, len(plan))
             run.stepped = True
             self._advance(run, seat, n)
             pool.last = run.agent
             if row >= 0:
+                t1 = time.perf_counter()
                 self._sample(run, ctx, row)
+                host[run.owner] = host.get(run.owner, 0.0) + time.perf_counter() - t1
+        self._charge(host)
 
     def _add_input(self, pool: Pool, batch, plan: list, rows: dict, run: Run, room: int) -> int:
         """Put up to `room` of the run's next input tokens into the batch; returns how many."""
