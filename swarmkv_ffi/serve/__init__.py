@@ -7,12 +7,14 @@ Lowest first (tests/test_layers.py holds the same order):
     text.py       tokens to text as they come, stop strings
     routing.py    the Ray Serve router, by prefix
     persist.py    shared prefixes on disk: the conductor's PrefixStore on the prefix cache
-    templates.py  a chat through the model's own Jinja template (jinja2's sandbox), tool turns
+    templates.py  a chat through the model's own Jinja template (jinja2's sandbox), tool turns;
+                  control tokens only from the template's own text
+    guard.py      uvicorn's protocol with a deadline for a request's headers, an idle cap per address
     errors.py     every failure as OpenAI's error JSON (Refused), for the app and on_ray
     settings.py   the server's settings and their flags, written once for every front
     structured.py response_format, tools and grammar: the grammar a request's output follows,
                   and the answer read back as content or tool calls
-    engine.py     the served model on a conductor's RequestPool; choices in flight per key
+    engine.py     the served model on a conductor's RequestPool; choices in flight per key; draining
     calls.py      one request in flight: its choices on threads, their events for the loop
     responses.py  a call as chat.completion / text_completion objects, whole or streamed
     routes.py     the routes: who asks what, to the engine, and the answer

@@ -57,11 +57,9 @@ def check_args(args, settings: Settings):
 
 
 def main(argv: list[str] | None = None) -> int:
-    import uvicorn
-
     from .app import create_app
     from .engine import ServeEngine
-    from .http import uvicorn_config
+    from .http import server, uvicorn_config
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("swarmkv_ffi.llama").setLevel(logging.INFO if args.verbose else logging.CRITICAL)
@@ -72,13 +70,13 @@ def main(argv: list[str] | None = None) -> int:
         return run(args, settings, keys.mapping())
     engine = ServeEngine(settings, keys, threads=args.threads, budget_bytes=args.budget_bytes)
     app = create_app(engine, keys, settings)
-    server = uvicorn.Server(uvicorn_config(app, args.host, args.port, settings.max_requests, args.verbose))
+    http = server(engine, uvicorn_config(app, args.host, args.port, settings, args.verbose))
     mode = "exact" if settings.exact else "fast"
     print(f"swarmkv serve: {settings.served_name} ({engine.pool.path.name}, {mode} mode, {settings.ctx_size} "
           f"cells, {settings.parallel} sequences) on http://{args.host}:{args.port}/v1"
           f"{'' if keys.required else ' (no API key)'}", file=sys.stderr, flush=True)
     try:
-        server.run()
+        http.run()
     finally:
         engine.close()
     return 0

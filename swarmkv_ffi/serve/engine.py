@@ -40,6 +40,7 @@ class Job:
     top_logprobs: int | None = None
     grammar: str | None = None         # the output follows it (grammar.py)
     cancelled: threading.Event = field(default_factory=threading.Event)   # the client left
+    stopped: bool = False              # cancelled because the server stops (engine.drain)
 
 
 class ServeEngine:
@@ -65,10 +66,11 @@ class ServeEngine:
                 self.memory.close()
             raise
         self.model = self.pool.model
-        self.max_requests, self.max_per_owner = settings.max_requests, settings.max_requests_per_key
+        self.max_requests, self.max_per_owner = settings.max_requests, settings.per_key(len(keys.mapping()))
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)   # notified when no choice is in flight
         self._running: dict[int, int] = {}      # owner -> choices in flight
+        self._job_of: dict[int, Job] = {}        # id -> each Job running, for wait_drained()
         self.stopping = False
 
     @property
@@ -119,21 +121,47 @@ class ServeEngine:
 
     def run(self, job: Job) -> RequestResult:
         """Run one choice to its end (blocks): its generated tokens, the prompt tokens it
-        forked and whether it stopped on end-of-generation; a Refused if it cannot run."""
+        forked and whether it stopped on end-of-generation; a Refused if it cannot run
+        (or the server stopped it: drain)."""
+        with self._lock:
+            self._job_of[id(job)] = job
         try:
-            return self.pool.submit(job.owner, job.tokens, job.max_tokens, sampling=job.sampling,
-                                    top_logprobs=job.top_logprobs, on_token=job.on_token,
-                                    cancelled=job.cancelled, grammar=job.grammar).result()
+            result = self.pool.submit(job.owner, job.tokens, job.max_tokens, sampling=job.sampling,
+                                      top_logprobs=job.top_logprobs, on_token=job.on_token,
+                                      cancelled=job.cancelled, grammar=job.grammar).result()
         except Exception as exc:
             raise refused(exc) from None
+        finally:
+            with self._lock:
+                self._job_of.pop(id(job), None)
+        if job.stopped:
+            raise Refused(503, "the server stopped before this request ended", "server_stopping")
+        return result
+
+    def drain(self) -> None:
+        """Take no new request (503; /health says draining); running ones go on."""
+        with self._lock:
+            self.stopping = True
+
+    def wait_drained(self, grace_s: float) -> bool:
+        """After drain(): wait up to grace_s for the running choices to end, then end the
+        rest with an error (a stream gets it as its last event) and wait for them to roll
+        back. True when every choice ended within grace_s."""
+        with self._idle:
+            if self._idle.wait_for(lambda: not self._running, timeout=grace_s):
+                return True
+            for job in self._job_of.values():
+                job.stopped = True
+                job.cancelled.set()
+            self._idle.wait_for(lambda: not self._running, timeout=30)
+        return False
 
     def close(self, grace_s: float = 5.0) -> None:
         """Stop: new requests get 503; with a conductor of its own, queued ones are refused
         and running ones cancelled after grace_s, then everything is freed. On lmxd's, the
         running requests end first (they are refused once the daemon stops) and the pool's
         booking is released."""
-        with self._lock:
-            self.stopping = True
+        self.drain()
         if self.store is not None:
             self.store.flush()              # prefixes captured are written before we go
         if self.memory is None:

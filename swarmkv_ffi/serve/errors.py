@@ -14,12 +14,12 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from ..conductor.requests import ConductorError, ContextFull, Stopping
+from ..conductor.requests import ConductorError, ContextFull, NoRoom, Stopping
 from ..errors import SwarmKVError
 from .schemas import ErrorBody, ErrorDetail
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+               408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
 
 
 class Refused(Exception):
@@ -82,6 +82,8 @@ def refused(exc: BaseException) -> Refused:
         return Refused(503, "the server is stopping; this request was not run", "server_stopping")
     if isinstance(exc, ConductorError):
         return Refused(400, str(exc), exc.code.lower())
+    if isinstance(exc, NoRoom):
+        return Refused(503, str(exc), "no_room")
     return Refused(503, f"the request failed: {exc}")
 
 

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 
+from . import guard
 from .app import create_app
 from .engine import ServeEngine
 from .settings import Settings, add_arguments
@@ -20,11 +21,41 @@ from .settings import Settings, add_arguments
 log = logging.getLogger("swarmkv.serve")
 
 
-def uvicorn_config(app, host: str, port: int, max_requests: int, verbose: int):
+#: Seconds a stopping server lets running requests finish before it ends them with an
+#: error event; uvicorn then has GRACE_S more to send those last events.
+GRACE_S = 5
+
+
+def server(engine: ServeEngine, config):
+    """A uvicorn.Server that drains first: on SIGINT/SIGTERM the engine takes no new
+    request and /health says draining while the server still listens; running requests
+    finish (or are ended with an error after GRACE_S); then uvicorn stops. A second
+    signal stops at once."""
     import uvicorn
+
+    class Draining(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if engine.stopping:
+                return super().handle_exit(sig, frame)
+            engine.drain()
+            log.info("stopping: draining the running requests (again to stop now)")
+            threading.Thread(target=self._exit_when_drained, args=(sig, frame), daemon=True).start()
+
+        def _exit_when_drained(self, sig, frame) -> None:
+            engine.wait_drained(GRACE_S)
+            super().handle_exit(sig, frame)
+    return Draining(config)
+
+
+def uvicorn_config(app, host: str, port: int, settings: Settings, verbose: int):
+    """No limit_concurrency (idle sockets counted in it locked everyone out; the engine's
+    admission caps the work), and guard.py's deadline on a request's headers."""
+    import uvicorn
+    guard.raise_open_files_limit()
     return uvicorn.Config(app, host=host, port=port, log_level="info" if verbose > 1 else "warning",
-                          access_log=verbose > 1, limit_concurrency=max_requests + 64,
-                          timeout_keep_alive=5, timeout_graceful_shutdown=5)
+                          access_log=verbose > 1, limit_concurrency=None,
+                          http=guard.protocol(settings.read_timeout, settings.idle_connections_per_address),
+                          timeout_keep_alive=5, timeout_graceful_shutdown=GRACE_S)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -46,7 +77,7 @@ class Front:
         keys = settings.keys(host)
         self.engine = ServeEngine(settings, keys, conductor=conductor)
         app = create_app(self.engine, keys, settings)
-        self.server = uvicorn.Server(uvicorn_config(app, host, port, settings.max_requests, 0))
+        self.server = server(self.engine, uvicorn_config(app, host, port, settings, 0))
         self.thread = threading.Thread(target=self.server.run, name="lmxd-http", daemon=True)
         self.thread.start()
         while not self.server.started:
@@ -57,6 +88,8 @@ class Front:
         log.info("HTTP front: %s on http://%s:%d/v1", settings.served_name, host, port)
 
     def stop(self) -> None:
+        self.engine.drain()
+        self.engine.wait_drained(GRACE_S)
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.engine.close()

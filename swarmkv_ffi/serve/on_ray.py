@@ -49,6 +49,7 @@ class Forwarded:
     headers: list[tuple[str, str]]
     body: bytes
     prompt: str = ""
+    choices: int = 1          # n x prompts, as the ingress counts them against the key's quota
 
     @classmethod
     def of(cls, method: str, path: str, query: bytes, headers, body: bytes, shared: bool = False) -> "Forwarded":
@@ -56,22 +57,36 @@ class Forwarded:
         otherwise the route is keyed by the caller's key, so which replica answers never
         tells one key what another asked (the pools keep keys apart the same way)."""
         headers = list(headers)
-        text = routing_text(path, body)
+        parsed = _parsed(body)
+        text = routing_text(path, parsed)
         if not shared:
             key = next((v for k, v in headers if k.lower() == "authorization"), "")
             text = hashlib.blake2b(key.encode(), digest_size=8).hexdigest() + "\n" + text
-        return cls(method, path, query, headers, body, text)
+        return cls(method, path, query, headers, body, text, choices_of(parsed))
 
 
-def routing_text(path: str, body: bytes) -> str:
+def _parsed(body: bytes) -> dict:
+    """The body as a dict, or {} (the replica refuses what is not one, in its words)."""
+    try:
+        parsed = json.loads(body) if body else {}
+    except (ValueError, RecursionError):
+        parsed = {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def choices_of(parsed: dict) -> int:
+    """n x prompts: the choices a request runs (at least 1; the replica checks the fields)."""
+    n = parsed.get("n")
+    n = n if isinstance(n, int) and n > 0 else 1
+    prompt = parsed.get("prompt")
+    many = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+    return n * (len(prompt) if many else 1)
+
+
+def routing_text(path: str, parsed: dict) -> str:
     """The text a request's prompt starts with: its messages' contents in order (a chat),
     its prompt (a completion); never empty (the router divides by its length), so a
     request without one (GET /health, a malformed body the replica will refuse) is its path."""
-    try:
-        parsed = json.loads(body) if body else {}
-    except ValueError:
-        parsed = {}
-    parsed = parsed if isinstance(parsed, dict) else {}
     messages, prompt = parsed.get("messages"), parsed.get("prompt")
     if isinstance(messages, list):
         text = "".join(_content(m.get("content")) for m in messages if isinstance(m, dict))
@@ -168,11 +183,14 @@ class Replica:
             engine.close()
 
 
-def ingress(max_body_bytes: int, shared: bool):
-    """The ingress deployment: takes any request, reads its body (capped) and hands it to
-    a replica, retrying once on another when the first died before answering."""
+def ingress(settings: Settings, keys: dict[str, str]):
+    """The ingress deployment: takes any request, checks its key before it reads the body
+    (capped, within --read-timeout), counts the key's choices against its quota across
+    every replica, and hands it to a replica, retrying once on another when the first
+    died before answering. The body is parsed (to route it) on a worker thread."""
     from ray import serve
 
+    from .keys import Keys
     api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
     @serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
@@ -180,15 +198,51 @@ def ingress(max_body_bytes: int, shared: bool):
     class Ingress:
         def __init__(self, replicas):
             self.replicas = replicas.options(stream=True)
+            self.keys = Keys(keys)
+            self.per_key = settings.per_key(len(keys))
+            self.running: dict[int, int] = {}       # owner -> choices in flight, on every replica
 
         @api.api_route("/{path:path}", methods=["GET", "POST"])
         async def forward(self, request: Request, path: str):
+            who = self.keys.owner(request.headers.get("authorization")) if path != "health" else None
+            if who is None and path != "health":
+                return refused_response(Refused(401, "Incorrect API key provided", "invalid_api_key"))
             try:
-                body = await capped_body(request, max_body_bytes)
+                async with asyncio.timeout(settings.read_timeout):
+                    body = await capped_body(request, settings.max_body_bytes)
+                forwarded = await asyncio.to_thread(Forwarded.of, request.method, request.url.path,
+                                                    request.url.query.encode(), request.headers.items(), body,
+                                                    settings.share_prefixes)
+                self._admit(who, forwarded.choices)
             except Refused as exc:
                 return refused_response(exc)
-            forwarded = Forwarded.of(request.method, request.url.path, request.url.query.encode(),
-                                     request.headers.items(), body, shared)
+            except TimeoutError:
+                return refused_response(Refused(408, "the body did not arrive within --read-timeout",
+                                                "request_timeout"))
+            try:
+                return await self._send(forwarded, who)
+            except BaseException:
+                self._leave(who, forwarded.choices)
+                raise
+
+        def _admit(self, who: int | None, choices: int) -> None:
+            if who is None:
+                return
+            mine = self.running.get(who, 0)
+            if choices > self.per_key:
+                raise Refused(400, f"this request asks for {choices} choices (n x prompts); a key may run at "
+                              f"most {self.per_key} at once (--max-requests-per-key): split it",
+                              "too_many_choices", "n")
+            if mine + choices > self.per_key:
+                raise Refused(429, f"this key has {mine} choices running; the limit per key is {self.per_key} "
+                              "(--max-requests-per-key), across every replica", "rate_limit_exceeded")
+            self.running[who] = mine + choices
+
+        def _leave(self, who: int | None, choices: int) -> None:
+            if who is not None:
+                self.running[who] -= choices
+
+        async def _send(self, forwarded: Forwarded, who: int | None):
             for attempt in range(2):
                 stream = self.replicas.remote(forwarded)
                 try:
@@ -197,18 +251,21 @@ def ingress(max_body_bytes: int, shared: bool):
                     log.warning("serve --ray: a replica died before answering; %s",
                                 "retrying on another" if attempt == 0 else "giving up")
                     continue
-                return StreamingResponse(self.rest(stream, headers), status_code=status,
+                return StreamingResponse(self.rest(stream, headers, who, forwarded.choices), status_code=status,
                                          headers={k: v for k, v in headers if k.lower() != "content-length"})
+            self._leave(who, forwarded.choices)
             return refused_response(Refused(503, "the replicas that took this request died; try again",
                                             "replica_lost"))
 
-        async def rest(self, stream, headers):
+        async def rest(self, stream, headers, who: int | None, choices: int):
             try:
                 async for chunk in stream:
                     yield chunk
             except RayActorError:
                 if any(k.lower() == "content-type" and "event-stream" in v for k, v in headers):
                     yield sse(error_body(503, "the replica answering this request died", "replica_lost"))
+            finally:
+                self._leave(who, choices)
     return Ingress
 
 
@@ -227,7 +284,7 @@ def application(args, settings: Settings, keys: dict[str, str]):
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=PrefixRouter, request_router_kwargs={"imbalance": args.route_imbalance})
     replica = serve.deployment(**options)(Replica).bind(settings, keys, threads, args.budget_bytes)
-    return ingress(settings.max_body_bytes, settings.share_prefixes).bind(replica)
+    return ingress(settings, keys).bind(replica)
 
 
 def run(args, settings: Settings, keys: dict[str, str]) -> int:

@@ -26,6 +26,10 @@ from .schemas import ChatRequest, CompletionRequest, ModelCard, ModelList, bad_t
 from .settings import Settings
 
 
+#: Requests of one key read, parsed and tokenized at once (Served.preparing).
+PREPARING_PER_KEY = 2
+
+
 @dataclass
 class Served:
     """What the routes serve: one model's engine, its keys and the server's settings."""
@@ -34,9 +38,19 @@ class Served:
     settings: Settings
     created: int = field(default_factory=lambda: int(time.time()))
 
+    gates: dict[int, asyncio.Semaphore] = field(default_factory=dict)
+
     @property
     def name(self) -> str:
         return self.settings.served_name
+
+    def preparing(self, owner: int) -> asyncio.Semaphore:
+        """The owner's gate to read, parse and tokenize a request: PREPARING_PER_KEY at
+        a time, the rest wait with their bodies unread (in the socket, not in memory),
+        so one key's large bodies hold at most that many worker threads."""
+        if owner not in self.gates:
+            self.gates[owner] = asyncio.Semaphore(PREPARING_PER_KEY)
+        return self.gates[owner]
 
 
 def served(request: Request) -> Served:
@@ -55,7 +69,8 @@ def owner_of(request: Request) -> int:
 
 async def health(request: Request):
     if served(request).engine.stopping:
-        return error_response(503, "the server is stopping", "server_stopping")
+        return error_response(503, "the server is draining: running requests finish, new ones are refused",
+                              "server_draining")
     return {"status": "ok"}
 
 
@@ -70,11 +85,11 @@ async def models(request: Request):
 async def chat(request: Request):
     who = owner_of(request)
     s = served(request)
-    body = await read_body(request, ChatRequest, s.settings.max_body_bytes)
-    check_model(s, body.model)
-    check_vocabulary(s.engine.model.n_vocab, body.vocabulary_ids())
-    structure = structured.plan(body, parallel_default=templates.model_knows_tools(s.engine.model))
-    tokens = await asyncio.to_thread(chat_tokens, s.engine.model, body, structure)
+    async with s.preparing(who):
+        body = await read_body(request, ChatRequest, s.settings)
+        check_model(s, body.model)
+        structure = structured.plan(body, parallel_default=templates.model_knows_tools(s.engine.model))
+        tokens = await asyncio.to_thread(chat_tokens, s.engine.model, body, structure)
     call = Call(s.engine, who, body, [tokens], s.engine.max_tokens_for([tokens], body.limit(), "messages"),
                 asyncio.get_running_loop(), structure)
     return await answer(request, call, ChatShape(s.name))
@@ -83,20 +98,14 @@ async def chat(request: Request):
 async def completions(request: Request):
     who = owner_of(request)
     s = served(request)
-    body = await read_body(request, CompletionRequest, s.settings.max_body_bytes)
-    check_model(s, body.model)
-    if body.echo or body.suffix:
-        raise Refused(400, "echo and suffix are not supported", "unsupported_parameter",
-                      "echo" if body.echo else "suffix")
-    check_vocabulary(s.engine.model.n_vocab, body.vocabulary_ids())
-    model = s.engine.model
-    prompts = await asyncio.to_thread(
-        lambda: [p if isinstance(p, list) else [int(t) for t in model.tokenize(p, add_special=True)]
-                 for p in body.prompts()])
-    if not all(prompts):
-        raise Refused(400, "the prompt is empty", "empty_prompt", "prompt")
-    structure = structured.plan(body)
-    await asyncio.to_thread(check_grammar, model, structure)
+    async with s.preparing(who):
+        body = await read_body(request, CompletionRequest, s.settings)
+        check_model(s, body.model)
+        if body.echo or body.suffix:
+            raise Refused(400, "echo and suffix are not supported", "unsupported_parameter",
+                          "echo" if body.echo else "suffix")
+        structure = structured.plan(body)
+        prompts = await asyncio.to_thread(completion_tokens, s.engine.model, body, structure)
     call = Call(s.engine, who, body, prompts, s.engine.max_tokens_for(prompts, body.limit(), "prompt"),
                 asyncio.get_running_loop(), structure)
     return await answer(request, call, CompletionShape(s.name))
@@ -119,8 +128,19 @@ async def capped_body(request: Request, max_body_bytes: int) -> bytes:
     return bytes(raw)
 
 
-async def read_body(request: Request, schema, max_body_bytes: int):
-    raw = await capped_body(request, max_body_bytes)
+async def read_body(request: Request, schema, settings: Settings):
+    """The body as `schema`: read within --read-timeout (else 408), parsed and checked
+    on a worker thread (an 8 MiB body parsed on the event loop froze every stream)."""
+    try:
+        async with asyncio.timeout(settings.read_timeout):
+            raw = await capped_body(request, settings.max_body_bytes)
+    except TimeoutError:
+        raise Refused(408, f"the body did not arrive within {settings.read_timeout:g} s (--read-timeout)",
+                      "request_timeout") from None
+    return await asyncio.to_thread(parse_body, raw, schema)
+
+
+def parse_body(raw: bytes, schema):
     try:
         body = json.loads(raw)
         bad = bad_text(body)
@@ -155,13 +175,25 @@ def chat_tokens(model, body: ChatRequest, structure: structured.Structure) -> li
     """The messages (with the tools told, structured.py) through the model's chat
     template, as tokens; the grammar checked against the vocabulary. Off the event loop:
     a body of megabytes takes a while."""
+    check_vocabulary(model.n_vocab, body.vocabulary_ids())
     messages = structure.messages([m.for_template() for m in body.messages], templates.model_knows_tools(model))
+    check_grammar(model, structure)
     try:
-        text = templates.render(model, messages, structure.tools)
+        return templates.tokens(model, messages, structure.tools)
     except templates.TemplateError as exc:
         raise Refused(400, str(exc), "invalid_request_error", "messages") from None
+
+
+def completion_tokens(model, body: CompletionRequest, structure: structured.Structure) -> list[list[int]]:
+    """The prompts as tokens (a prompt given as tokens as it is), every token id the body
+    names and the grammar checked."""
+    check_vocabulary(model.n_vocab, body.vocabulary_ids())
+    prompts = [p if isinstance(p, list) else [int(t) for t in model.tokenize(p, add_special=True)]
+               for p in body.prompts()]
+    if not all(prompts):
+        raise Refused(400, "the prompt is empty", "empty_prompt", "prompt")
     check_grammar(model, structure)
-    return [int(t) for t in model.tokenize(text, add_special=True, parse_special=True)]
+    return prompts
 
 
 def check_grammar(model, structure: structured.Structure) -> None:

@@ -33,8 +33,10 @@ class Settings:
     allow_remote_without_key: bool = False
     default_max_tokens: int = 1024
     max_requests: int = 256
-    max_requests_per_key: int = 64
+    max_requests_per_key: int | None = None  # None: per_key()
     max_body_bytes: int = 8 << 20
+    read_timeout: float = 30.0               # seconds to send a request's headers, and again its body
+    idle_connections_per_address: int = 64   # connections without a request yet (guard.py)
 
     @property
     def served_name(self) -> str:
@@ -46,10 +48,21 @@ class Settings:
             raise ValueError(f"--ctx-size must be at least 512 cells, got {self.ctx_size}")
         if not 2 <= self.parallel <= MAX_SEQS - 1:
             raise ValueError(f"--parallel must be in 2..{MAX_SEQS - 1}, got {self.parallel}")
-        if self.default_max_tokens < 1 or self.max_requests < 1 or self.max_requests_per_key < 1:
+        if self.default_max_tokens < 1 or self.max_requests < 1 or (self.max_requests_per_key or 1) < 1:
             raise ValueError("--default-max-tokens, --max-requests and --max-requests-per-key must be >= 1")
         if self.max_body_bytes < 1024:
             raise ValueError("--max-body-bytes must be at least 1024")
+        if not 0 < self.read_timeout <= 3600 or self.idle_connections_per_address < 1:
+            raise ValueError("--read-timeout must be in (0, 3600] seconds and "
+                             "--idle-connections-per-address at least 1")
+
+    def per_key(self, n_keys: int) -> int:
+        """Choices one key may have running or queued: as set, else all of --parallel for
+        a server of one key (or none), half of it where keys share it, so no key can hold
+        every sequence of the pool."""
+        if self.max_requests_per_key is not None:
+            return self.max_requests_per_key
+        return self.parallel if n_keys <= 1 else max(1, self.parallel // 2)
 
     def keys(self, host: str) -> Keys:
         """The keys to require; none only on a loopback address (unless allowed)."""
@@ -111,9 +124,17 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
     flag("max-requests", type=int, default=d.max_requests,
          help="choices running or queued at once, all keys (default: %(default)s; more get 503)")
     flag("max-requests-per-key", type=int, default=d.max_requests_per_key,
-         help="choices running or queued at once per key (default: %(default)s; more get 429)")
+         help="choices running or queued at once per key (default: --parallel with one key, half of it "
+              "with several; more get 429)")
     flag("max-body-bytes", type=int, default=d.max_body_bytes,
          help="largest request body (default: 8 MiB)")
+    flag("read-timeout", type=float, default=d.read_timeout, metavar="SECONDS",
+         help="a connection that has not sent a request's headers this long after opening (or after "
+              "its last answer) is closed, and a body not sent whole within it is a 408 "
+              "(default: %(default)s)")
+    flag("idle-connections-per-address", type=int, default=d.idle_connections_per_address, metavar="N",
+         help="connections one client address may hold open without a request; a newer one closes "
+              "its oldest (default: %(default)s)")
 
 
 def is_loopback(host: str) -> bool:

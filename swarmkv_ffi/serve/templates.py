@@ -13,11 +13,19 @@ the messages are rewritten first, as llama.cpp's generic handler and transformer
 polyfills do: an assistant's tool calls become its content, written in the JSON form
 the grammar makes the model answer in (structured.py), and a tool's result becomes a
 user message saying which tool answered what.
+
+Control tokens (`<|im_start|>`) are read as such only in the template's own text
+(`tokens`): written in a message, by a user or a tool, the same characters stay text,
+so no message can open a turn of another role. Tokens are otherwise llama-server's
+(libllama's tokenizer on the rendered text, special tokens parsed).
 """
 from __future__ import annotations
 
 import datetime
 import json
+import re
+import secrets
+import threading
 from functools import lru_cache
 
 import jinja2
@@ -28,12 +36,90 @@ class TemplateError(ValueError):
     """The conversation cannot be rendered (the template raised, or rejects its shape)."""
 
 
-def render(model, messages: list[dict], tools: list[dict] | None = None) -> str:
-    """The prompt for `messages` (OpenAI's dicts), ending with the assistant's opener."""
+def tokens(model, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The prompt for `messages` as tokens, a control token's text in a message kept as
+    text. When no message holds one (nearly always) this is the rendered text tokenized
+    with special tokens parsed, as llama-server does; else the text is rendered with each
+    message's text between markers only this call knows, and split at the control tokens
+    outside them, each piece tokenized as text (llama.cpp splits at the same places)."""
+    controls = control_tokens(model)
+    if controls is None or not any(controls[0].search(t) for t in message_texts(messages)):
+        return [int(t) for t in model.tokenize(render(model, messages, tools), add_special=True, parse_special=True)]
+    nonce = secrets.token_hex(8)
+    opening, closing = f"q{nonce}o", f"q{nonce}c"
+    marked = render(model, messages, tools, mark=lambda text: opening + text + closing)
+    out = [model.bos] if model.add_bos and model.bos >= 0 else []
+    for text, control in _split(marked, opening, closing, controls[0]):
+        if text:
+            out += [int(t) for t in model.tokenize(text, add_special=False, parse_special=False)]
+        if control is not None:
+            out.append(controls[1][control])
+    return out
+
+
+def _split(marked: str, opening: str, closing: str, pattern: re.Pattern) -> list[tuple[str, str | None]]:
+    """(text, control token's text or None) pieces of the rendered `marked`: split at the
+    control tokens outside the markers, the markers taken out."""
+    pieces, text, inside = [], [], False
+    for part in re.split(f"({re.escape(opening)}|{re.escape(closing)})", marked):
+        if part in (opening, closing):
+            if inside == (part == opening):
+                raise TemplateError("the model's chat template rewrites message text in a way that cannot "
+                                    "keep a control token written in a message apart; remove it from the message")
+            inside = part == opening
+        elif inside:
+            text.append(part)
+        else:
+            at = 0
+            for found in pattern.finditer(part):
+                text.append(part[at:found.start()])
+                pieces.append(("".join(text), found.group()))
+                text, at = [], found.end()
+            text.append(part[at:])
+    if inside:
+        raise TemplateError("the model's chat template cut a message's text; remove the control token from it")
+    return pieces + [("".join(text), None)]
+
+
+def message_texts(messages: list[dict]):
+    """The text the messages carry: contents and tool calls' arguments."""
+    for m in messages:
+        if isinstance(m.get("content"), str):
+            yield m["content"]
+        for call in m.get("tool_calls") or []:
+            yield call["function"]["arguments"]
+
+
+_CONTROLS: dict[str, tuple[re.Pattern, dict[str, int]] | None] = {}
+_CONTROLS_LOCK = threading.Lock()
+
+
+def control_tokens(model) -> tuple[re.Pattern, dict[str, int]] | None:
+    """(a pattern matching any control token's text, longest first as llama.cpp tries
+    them; text -> token) for the model's vocabulary, found once per model file: a
+    control token renders as nothing unless asked for its special text."""
+    key = str(model.path)
+    with _CONTROLS_LOCK:
+        if key not in _CONTROLS:
+            texts: dict[str, int] = {}
+            for t in range(model.n_vocab):
+                special = model.token_bytes(t, special=True)
+                if special and not model.token_bytes(t):
+                    texts.setdefault(special.decode("utf-8", "replace"), t)
+            pattern = "|".join(re.escape(x) for x in sorted(texts, key=len, reverse=True))
+            _CONTROLS[key] = (re.compile(pattern), texts) if texts else None
+        return _CONTROLS[key]
+
+
+def render(model, messages: list[dict], tools: list[dict] | None = None, mark=None) -> str:
+    """The prompt for `messages` (OpenAI's dicts), ending with the assistant's opener;
+    mark(text), if given, wraps each message's text (tokens())."""
     source = model.meta("tokenizer.chat_template")
     template = _compiled(source) if source else None
     if template is None or not knows_tools(source):
         messages = plain_messages(messages)
+    if mark is not None:
+        messages = [_marked(m, mark) for m in messages]
     if template is None:
         return model.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages])
     try:
@@ -69,6 +155,16 @@ def plain_messages(messages: list[dict]) -> list[dict]:
             out.append({"role": "assistant", "content": json.dumps({"tool_calls": calls})})
         else:
             out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"] or ""})
+    return out
+
+
+def _marked(message: dict, mark) -> dict:
+    out = dict(message)
+    if isinstance(message.get("content"), str) and message["content"]:
+        out["content"] = mark(message["content"])
+    if message.get("tool_calls"):
+        out["tool_calls"] = [dict(c, function=dict(c["function"], arguments=mark(c["function"]["arguments"])))
+                             for c in message["tool_calls"]]
     return out
 
 

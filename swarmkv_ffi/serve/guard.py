@@ -1,0 +1,102 @@
+"""Connections that send nothing cannot lock the server: uvicorn's protocol, with a deadline.
+
+uvicorn has a keep-alive timeout, but none for a connection that opens and never sends
+its request (or sends half its headers): such a connection costs nothing to hold and,
+counted by uvicorn's `limit_concurrency`, 320 of them made every other client's request
+a plain-text 503. So the servers here run without limit_concurrency (the engine's
+admission caps the work, per key and in all) and with uvicorn's own HTTP protocol
+extended by two rules:
+
+- a connection must finish a request's headers within `header_timeout` seconds of
+  opening, or of its previous response, or it is closed;
+- an address holds at most `idle_per_address` connections that have not sent a request
+  yet; a newer one closes its oldest, so a flood of idle sockets pushes out its own
+  sockets, never the one a client opened to send a request now.
+
+The body's deadline is the route's (routes.capped_body). uvicorn documents `http=` as
+taking a protocol class; both of its HTTP/1.1 protocols start a new request cycle once
+a request's headers are complete and call on_response_complete when it has been
+answered, which is all this relies on.
+"""
+from __future__ import annotations
+
+import resource
+
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+
+def protocol(header_timeout: float, idle_per_address: int, base: type = AutoHTTPProtocol) -> type:
+    """uvicorn's HTTP protocol class `base` with the two rules above."""
+    waiting: dict[str, dict] = {}        # address -> its connections without a request, oldest first
+
+    class Guarded(base):
+        _timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._address = self.client[0] if self.client else ""
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            """Start waiting for a request: the deadline, and a place in the address's queue."""
+            self._disarm()
+            self._cycle_then = self.cycle
+            self._timer = self.loop.call_later(header_timeout, self._expire)
+            for other in [p for p in waiting.get(self._address, ()) if not p._idle()]:
+                other._disarm()          # a request began there: its headers came in time
+            queue = waiting.setdefault(self._address, {})
+            queue[self] = None
+            while len(queue) > idle_per_address:
+                oldest = next(iter(queue))
+                oldest._disarm()
+                oldest.transport.close()
+
+        def _idle(self) -> bool:
+            """No request is being answered and none has begun since the connection was
+            armed (a pipelined request may already be under way when it is re-armed)."""
+            cycle = self.cycle
+            return self._timer is not None and cycle is self._cycle_then and (
+                cycle is None or cycle.response_complete)
+
+        def _disarm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            queue = waiting.get(self._address)
+            if queue is not None:
+                queue.pop(self, None)
+                if not queue:
+                    del waiting[self._address]
+
+        def _expire(self) -> None:
+            idle = self._idle()
+            self._disarm()
+            if idle and not self.transport.is_closing():
+                self.transport.close()
+
+    Guarded.__name__ = Guarded.__qualname__ = f"Guarded{base.__name__}"
+    return Guarded
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit (as vLLM does at
+    start): every connection is a descriptor, and at the usual 1024 a few hundred idle
+    sockets would stop accept() for everyone. Returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = 1 << 16 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
