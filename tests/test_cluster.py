@@ -84,6 +84,9 @@ def test_a_node_lost_mid_run_costs_no_branch(three_nodes, model_path, smol):
 
 
 # ---- swarmkv serve --ray: the OpenAI API from replicas on the cluster, routed by prefix ------
+RAY_KEY = "ray-key-0123456789"
+
+
 @pytest.fixture(scope="module")
 def served(three_nodes, tmp_path_factory):
     """`swarmkv serve --ray ADDRESS`, as a user joins it to a cluster: two replicas of one
@@ -92,7 +95,7 @@ def served(three_nodes, tmp_path_factory):
     cluster, _ = three_nodes
     log = tmp_path_factory.mktemp("serve-ray") / "serve.log"
     with Serve("--ray", cluster.address, "--replicas", "2", "--threads", "1", "--exact", "--ctx-size", "4096",
-               "--parallel", "8", log=log) as server:
+               "--parallel", "8", "--api-key", RAY_KEY, log=log) as server:
         yield server, log
 
 
@@ -112,7 +115,7 @@ def ask_raw(client, doc: str, question: str, max_tokens: int = 8):
 def test_two_documents_go_to_two_replicas_and_each_is_prefilled_once(served):
     import concurrent.futures as cf
     server, _ = served
-    client = server.client()
+    client = server.client(RAY_KEY)
     docs = [over("red"), over("blue")]
     first = [ask_raw(client, doc, "Who may use the work?") for doc in docs]      # each to a replica
     with cf.ThreadPoolExecutor(6) as pool:
@@ -135,7 +138,7 @@ def test_a_killed_replica_costs_the_requests_it_held_and_serve_replaces_it(serve
     import openai
     from ray import serve
     server, log = served
-    client = server.client()
+    client = server.client(RAY_KEY)
     doc = over("green")
     _, holder = ask_raw(client, doc, "Who may use the work?")
     stream = client.chat.completions.create(model="smollm2-135m", max_tokens=200, temperature=0, stream=True,
@@ -176,3 +179,27 @@ def test_routes_are_kept_apart_by_key_unless_keys_share_prefixes():
     assert route("key-a-0123456789", False) == route("key-a-0123456789", False)
     assert route("key-a-0123456789", True) == route("key-b-0123456789", True)
     assert route("key-a-0123456789", False).endswith(over("shared"))
+
+
+def test_the_ingress_checks_the_key_first_and_counts_its_quota_over_every_replica(served):
+    """A wrong key is a 401 before the body is read (here: never sent); a key's choices in
+    flight are counted by the ingress over both replicas (--parallel 8: 8 for the one
+    key), and given back when a stream closes."""
+    import socket
+
+    import openai
+    server, _ = served
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong-key-0123\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n")
+        s.settimeout(30)
+        assert s.recv(4096).startswith(b"HTTP/1.1 401")
+    client = server.client(RAY_KEY)
+    running = client.completions.create(model="smollm2-135m", prompt="Once upon a time", n=8, max_tokens=200,
+                                        stream=True)
+    next(iter(running))
+    with pytest.raises(openai.RateLimitError, match="across every replica"):
+        client.completions.create(model="smollm2-135m", prompt="Hello", max_tokens=2)
+    running.close()
+    time.sleep(1)
+    assert client.completions.create(model="smollm2-135m", prompt="Hello", max_tokens=2).choices

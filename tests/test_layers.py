@@ -32,7 +32,8 @@ LAYERS: list[list[str]] = [
     ["conductor.scheduler"],                                            # the batched steps
     ["conductor.agents", "conductor.access"],                           # the Conductor
     ["conductor.requests", "conductor.server"],                         # its two doors: requests, the socket
-    ["serve", "serve.schemas", "serve.keys", "serve.text", "serve.routing", "serve.persist", "serve.templates"],
+    ["serve", "serve.schemas", "serve.keys", "serve.text", "serve.routing", "serve.persist", "serve.templates",
+     "serve.guard"],
     ["serve.errors", "serve.settings", "serve.structured"],
     ["serve.engine"],                                                   # serve/ on conductor.requests
     ["serve.calls"],

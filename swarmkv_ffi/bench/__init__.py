@@ -10,5 +10,6 @@ into one output folder; tests never assert timings.
                 llama-bench / llama-batched-bench, our kernels against ggml's
     conductor.py multiuser.py agents.py   lmxd: swap and STATUS, a hostile user, N agents
     serve.py cluster.py   swarmkv serve against llama-server; serve and fan-out on Ray
+    serve_keys.py   `bench serve --scenarios keys`: two API keys on one server, one attacking
     frameworks.py grammar.py   agent frameworks against both servers; llguidance vs xgrammar
 """

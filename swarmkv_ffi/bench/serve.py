@@ -16,6 +16,8 @@ warm-up request:
                 ours, the same N at once with and without the schema, alternated, for what
                 the grammar's mask costs per decoded token
     overhead    a 1-token request over HTTP vs the same prompt through generate() in process
+    keys        ours alone: two API keys sharing one server, and one attacking the other
+                (serve_keys.py says how)
 
 Reported: wall seconds per side, llama-server's / ours, tokens, prompt tokens served from
 cache (usage.prompt_tokens_details.cached_tokens, where a side reports it), and how many
@@ -278,11 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", type=Path, default=None,
                     help="llama-server binary (default: the stock one from ./build_llama.sh --tools)")
     ap.add_argument("--scenarios", default="at_once,one_by_one,turns,exact,overhead,structured",
-                    help="which to run (default: all)")
+                    help="which to run, of those and keys (default: all but keys)")
     ap.add_argument("--out", type=Path, default=None, help="folder for serve.json")
     args = ap.parse_args(argv)
     wanted = args.scenarios.split(",")
-    unknown = set(wanted) - {"at_once", "one_by_one", "turns", "exact", "overhead", "structured"}
+    unknown = set(wanted) - {"at_once", "one_by_one", "turns", "exact", "overhead", "structured", "keys"}
     if unknown:
         ap.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
     if {"at_once", "one_by_one", "turns", "structured"} & set(wanted):   # (exact and overhead: ours alone)
@@ -293,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     from ..model import Model
     with Model(args.model_path) as model:
         doc = document_of(model, args.doc_tokens)
+        keyed_docs = {name: f"Document of key {name}.\n" + document_of(model, args.doc_tokens - 8)
+                      for name in ("A", "B")}
+        n_ctx_train = model.n_ctx_train
     per_agent = args.doc_tokens + 128 + args.gen
     per_conversation = args.doc_tokens + args.turns * (64 + args.gen) + 64
     rows = []
@@ -309,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     if "structured" in wanted:
         rows.append(scenario(args, "structured", run_structured, args.n, per_agent, doc, jinja=True))
         rows.append(mask_cost_row(args, doc, args.n * per_agent))
+    if "keys" in wanted:
+        from .serve_keys import keys_rows
+        rows += keys_rows(args, keyed_docs.get, QUESTIONS, n_ctx_train)
     report = {"benchmark": "serve", "model": args.model,
               "server_flags": f"-np SLOTS --kv-unified -c SLOTS*cells -t {args.threads} (its defaults otherwise)",
               "rows": rows}

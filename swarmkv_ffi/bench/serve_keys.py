@@ -1,0 +1,191 @@
+"""`swarmkv bench serve --scenarios keys`: two API keys that share one server.
+
+    together  key A and key B at once, each N agents over its own document, against each
+              key alone on a fresh server: each key's time together over twice its time
+              alone (the target is at most 1.2: sharing the machine halves each key's
+              speed, and no more)
+    attacks   key A (the victim) asks one question at a time over its cached document;
+              its latencies alone, then while key B (the attacker) does each of:
+                idle    holds 400 connections that never send a byte
+                flood   keeps its quota of requests in flight, each over a new document
+                big     sends prompts near the context size, max_tokens to the brim
+                body    posts 8 MiB bodies (a string too long for the context)
+              reported: the victim's p50 and p99 under each over alone (the target is
+              at most 3x), its errors, and its cached prompt tokens (it must keep its
+              document whatever B does)
+
+Both keys are driven by the official `openai` client; the attacker through threads that
+run until the victim's last request has been answered.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from .measure import at_once
+from .peer import HttpServer, log
+
+KEY_A, KEY_B = "bench-key-a-0123456789", "bench-key-b-0123456789"
+ATTACKS = ("idle", "flood", "big", "body")
+#: The attacker's requests in flight in `flood`: its quota on the bench's servers (--parallel 64, two keys).
+FLOOD = 32
+
+
+def keyed_server(args, key_file, cells: int) -> HttpServer:
+    return HttpServer(lambda port: [sys.executable, "-m", "swarmkv_ffi.cli", "serve", "--model", args.model,
+                                    "--port", str(port), "--threads", str(args.threads), "--ctx-size", str(cells),
+                                    "--parallel", "64", "--api-key-file", str(key_file)], "swarmkv serve")
+
+
+def client(server, key: str):
+    from openai import OpenAI
+    return OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=3600)
+
+
+def agents(client_, args, doc: str, questions: list[str]):
+    """The N agents of one key at once: wall seconds and their replies."""
+    def one(q: str):
+        return client_.chat.completions.create(model=args.model, max_tokens=args.gen, temperature=0, messages=[
+            {"role": "system", "content": doc}, {"role": "user", "content": q}])
+    ms, replies = at_once([lambda q=q: one(q) for q in questions])
+    return ms / 1e3, replies
+
+
+def together_row(args, key_file, docs: dict[str, str], questions: list[str], cells: int) -> dict:
+    alone = {}
+    for key, doc in docs.items():
+        with keyed_server(args, key_file, cells) as server:
+            warm(client(server, key), args)
+            alone[key] = agents(client(server, key), args, doc, questions)[0]
+    with keyed_server(args, key_file, cells) as server:
+        warm(client(server, KEY_A), args)
+        both: dict[str, float] = {}
+
+        def timed(key):
+            both[key] = agents(client(server, key), args, docs[key], questions)[0]
+        at_once([lambda k=k: timed(k) for k in docs])
+    row = {"scenario": "keys_together", "agents_per_key": len(questions)}
+    for name, key in (("a", KEY_A), ("b", KEY_B)):
+        row[f"{name}_alone_s"], row[f"{name}_together_s"] = alone[key], both[key]
+        row[f"{name}_over_twice_alone"] = both[key] / (2 * alone[key])
+    log(f"keys together: key A {row['a_together_s']:.1f} s (alone {row['a_alone_s']:.1f} s, "
+        f"{row['a_over_twice_alone']:.2f}x of twice alone); key B {row['b_together_s']:.1f} s (alone "
+        f"{row['b_alone_s']:.1f} s, {row['b_over_twice_alone']:.2f}x); target <= 1.2x")
+    return row
+
+
+def warm(client_, args) -> None:
+    client_.chat.completions.create(model=args.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+
+
+def victim(client_, args, doc: str, questions: list[str]) -> dict:
+    """Key A's questions one after another: latencies, errors, cached prompt tokens."""
+    times, errors, cached = [], [], []
+    for q in questions:
+        t0 = time.perf_counter()
+        try:
+            reply = client_.chat.completions.create(model=args.model, max_tokens=args.gen, temperature=0, messages=[
+                {"role": "system", "content": doc}, {"role": "user", "content": q}])
+            cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+        except Exception as exc:        # counted, not raised: the figure is how many
+            errors.append(f"{type(exc).__name__}: {exc}"[:200])
+        times.append(time.perf_counter() - t0)
+    ordered = sorted(times)
+    return {"p50_s": statistics.median(times), "p99_s": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+            "errors": errors, "cached_tokens": cached}
+
+
+def attacker(kind: str, server, args, stop: threading.Event, context: int) -> dict:
+    """Key B's attack of `kind` until `stop`: what it did, and how the server answered."""
+    seen: dict[str, int] = {}
+
+    def note(what: str) -> None:
+        seen[what] = seen.get(what, 0) + 1
+
+    if kind == "idle":
+        host, port = server.url.removeprefix("http://").split(":")
+        sockets = [socket.create_connection((host, int(port))) for _ in range(400)]
+        stop.wait()
+        for s in sockets:
+            s.close()
+        return {"connections": len(sockets)}
+    b = client(server, KEY_B)
+
+    def one(i: int) -> None:
+        try:
+            if kind == "flood":
+                b.chat.completions.create(model=args.model, max_tokens=args.gen, temperature=0, messages=[
+                    {"role": "system", "content": f"Flood document {i}.\n" + "lorem ipsum " * 300},
+                    {"role": "user", "content": "Summarise."}])
+            elif kind == "big":
+                b.completions.create(model=args.model, prompt="word " * (context // 2), max_tokens=context // 2 - 64)
+            else:
+                body = json.dumps({"model": args.model, "messages": [{"role": "user", "content": "x" * ((8 << 20) - 200)}]})
+                request = urllib.request.Request(server.url + "/v1/chat/completions", data=body.encode(),
+                                                 headers={"Authorization": f"Bearer {KEY_B}",
+                                                          "Content-Type": "application/json"})
+                urllib.request.urlopen(request, timeout=600).read()
+            note("ok")
+        except urllib.error.HTTPError as exc:
+            note(str(exc.code))
+        except Exception as exc:
+            note(getattr(exc, "status_code", None) and str(exc.status_code) or type(exc).__name__)
+
+    def loop(worker: int) -> None:
+        i = worker
+        while not stop.is_set():
+            one(i)
+            i += FLOOD
+    workers = [threading.Thread(target=loop, args=(w,), daemon=True) for w in range(FLOOD if kind == "flood" else 2)]
+    for w in workers:
+        w.start()
+    stop.wait()
+    for w in workers:
+        w.join(timeout=600)
+    return {"answers": seen}
+
+
+def attacks_row(args, key_file, doc: str, questions: list[str], cells: int, context: int) -> dict:
+    rows = {}
+    with keyed_server(args, key_file, cells) as server:
+        a = client(server, KEY_A)
+        victim(a, args, doc, questions[:1])                       # the document, cached
+        alone = victim(a, args, doc, questions)
+        for kind in ATTACKS:
+            stop = threading.Event()
+            done: dict = {}
+            thread = threading.Thread(target=lambda: done.update(attacker(kind, server, args, stop, context)))
+            thread.start()
+            time.sleep(2)                                          # the attack under way
+            under = victim(a, args, doc, questions)
+            stop.set()
+            thread.join()
+            rows[kind] = {**under, "p99_over_alone": under["p99_s"] / alone["p99_s"],
+                          "p50_over_alone": under["p50_s"] / alone["p50_s"], "attacker": done}
+            log(f"  attack {kind:>5}: victim p50 {under['p50_s'] * 1e3:.0f} ms, p99 {under['p99_s'] * 1e3:.0f} ms "
+                f"({rows[kind]['p99_over_alone']:.2f}x alone), errors {len(under['errors'])}, cached "
+                f"{min(under['cached_tokens'], default=0)}..{max(under['cached_tokens'], default=0)}; attacker {done}")
+    log(f"  victim alone: p50 {alone['p50_s'] * 1e3:.0f} ms, p99 {alone['p99_s'] * 1e3:.0f} ms, cached "
+        f"{min(alone['cached_tokens'], default=0)}..{max(alone['cached_tokens'], default=0)}; target p99 <= 3x")
+    return {"scenario": "keys_attacks", "alone": alone, "attacks": rows, "requests": len(questions)}
+
+
+def keys_rows(args, make_doc, questions: list[str], n_ctx_train: int) -> list[dict]:
+    """Both rows, on servers whose pool holds both keys' agents; make_doc(name): a
+    document of --doc-tokens; n_ctx_train: the model's, which bounds a request."""
+    import tempfile
+    from pathlib import Path
+    cells = 2 * args.n * (args.doc_tokens + 128 + args.gen)
+    with tempfile.TemporaryDirectory() as folder:
+        key_file = Path(folder) / "keys"
+        key_file.write_text(f"{KEY_A} a\n{KEY_B} b\n")
+        docs = {KEY_A: make_doc("A"), KEY_B: make_doc("B")}
+        asked = [questions[i % len(questions)] for i in range(args.n)]
+        return [together_row(args, key_file, docs, asked, cells),
+                attacks_row(args, key_file, docs[KEY_A], questions, cells, min(cells, n_ctx_train) - 1)]
