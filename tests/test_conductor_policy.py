@@ -105,12 +105,24 @@ def test_step_cost_fits_decode_steps():
 
 
 def test_the_step_budget_keeps_shared_steps_within_the_ratio_of_their_decodes_alone():
-    """4 ms a step + 2 ms a row: a step of one decode row and 3 prompt rows takes 12 ms,
-    twice the 6 ms of the decode alone."""
+    """200 ms a step + 2 ms a row (decode steps long beside MAX_STEP_SECONDS): a step of
+    one decode row takes 202 ms, and the prompt rows beside it add as much, 101 rows.
+    Nothing known yet: one prompt row."""
+    slow = lambda d, p: 0.200 + 0.002 * (d + p)
+    allowed = steer(decode_steps(0.200, 0.002), slow)
+    assert allowed[0] == 1 and allowed[-20:] == [101] * 20
+    assert slow(1, 101) == pytest.approx(2 * slow(1, 0))
+
+
+def test_a_shared_step_may_fill_a_slice_where_decode_steps_are_short():
+    """4 ms a step + 2 ms a row, as a CPU: the ratio would allow 3 prompt rows a step, and
+    a long prompt would go in over hundreds of steps each paying the step's fixed cost;
+    a shared step may instead last MAX_STEP_SECONDS (a decode beside it still gets 4
+    tokens a second)."""
     linear = lambda d, p: 0.004 + 0.002 * (d + p)
     allowed = steer(decode_steps(0.004, 0.002), linear)
-    assert allowed[0] == 1 and allowed[-20:] == [3] * 20
-    assert linear(1, 3) == pytest.approx(2 * linear(1, 0))
+    assert allowed[0] == 1
+    assert all(linear(1, rows) == pytest.approx(MAX_STEP_SECONDS, abs=0.004) for rows in allowed[-20:])
 
 
 def test_the_budget_follows_what_prompt_rows_really_cost():
@@ -118,10 +130,11 @@ def test_the_budget_follows_what_prompt_rows_really_cost():
     from the steps themselves, not from the decode steps' per-row figure."""
     deep = lambda d, p: 0.004 + 0.002 * d + 0.020 * p
     allowed = steer(decode_steps(0.004, 0.002), deep)
-    assert allowed[-20:] == [1] * 20
-    cheap = lambda d, p: 0.020 + 0.0005 * (d + p)     # a machine where rows cost little beside the step
-    allowed = steer(decode_steps(0.020, 0.0005), cheap)
-    assert allowed[-10:] == [41] * 10                  # 20.5 ms more: 41 rows of 0.5 ms
+    assert deep(1, allowed[-1]) == pytest.approx(MAX_STEP_SECONDS, abs=0.020)
+    assert allowed[-1] < steer(decode_steps(0.004, 0.002), lambda d, p: 0.004 + 0.002 * (d + p))[-1] / 5
+    slow = lambda d, p: 0.200 + 0.0005 * (d + p)     # rows cost little beside a long step
+    allowed = steer(decode_steps(0.200, 0.0005), slow)
+    assert allowed[-10:] == [401] * 10                 # 200.5 ms more: 401 rows of 0.5 ms
 
 
 def test_one_user_alone_gets_steps_of_a_slice_and_nothing_known_is_cautious():

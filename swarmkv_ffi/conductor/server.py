@@ -486,8 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"queued ones are cancelled at once (default {DEFAULT_SHUTDOWN_GRACE:g})")
     p.add_argument("--step-ratio", type=float, default=STEP_RATIO,
                    help="while users share the device, a step may take at most this times the "
-                        "predicted time of its decode rows alone, so one user's long prompt goes in "
-                        f"chunk by chunk beside the others' decodes (default {STEP_RATIO:g})")
+                        "predicted time of its decode rows alone (or 0.25 s, if more), so one user's "
+                        f"long prompt goes in chunk by chunk beside the others' decodes (default {STEP_RATIO:g})")
     p.add_argument("--step-tokens", type=int, default=0,
                    help="instead of --step-ratio, a fixed cap on the rows of a step while users "
                         "share the device (0: use --step-ratio; default 0)")

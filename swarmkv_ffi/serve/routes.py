@@ -37,7 +37,6 @@ class Served:
     keys: Keys
     settings: Settings
     created: int = field(default_factory=lambda: int(time.time()))
-
     gates: dict[int, asyncio.Semaphore] = field(default_factory=dict)
 
     @property
