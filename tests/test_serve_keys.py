@@ -91,6 +91,13 @@ def test_a_body_sent_too_slowly_is_a_408(server):
     assert json.loads(answer.split("\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
 
 
+def test_text_too_long_for_any_context_is_refused_without_tokenizing(server):
+    """Megabytes of text: a 400 from its length alone (tokenizing it took a core from
+    everyone's decodes for seconds, and nobody was charged)."""
+    with pytest.raises(openai.BadRequestError, match="characters cannot fit the context"):
+        ask(server.client(KEY_A), [{"role": "user", "content": "x" * 2_000_000}])
+
+
 def test_a_key_may_hold_half_the_sequences_where_keys_share_them(server):
     with pytest.raises(openai.BadRequestError, match="at most 4 at once"):
         server.client(KEY_A).completions.create(model=MODEL, prompt="Once", n=5, max_tokens=2)

@@ -120,11 +120,13 @@ def attacker(kind: str, server, args, stop: threading.Event, context: int) -> di
     def one(i: int) -> None:
         try:
             if kind == "flood":
-                b.chat.completions.create(model=args.model, max_tokens=args.gen, temperature=0, messages=[
-                    {"role": "system", "content": f"Flood document {i}.\n" + "lorem ipsum " * 300},
-                    {"role": "user", "content": "Summarise."}])
+                cut_short(stop, b.chat.completions.create(
+                    model=args.model, max_tokens=args.gen, temperature=0, stream=True, messages=[
+                        {"role": "system", "content": f"Flood document {i}.\n" + "lorem ipsum " * 300},
+                        {"role": "user", "content": "Summarise."}]))
             elif kind == "big":
-                b.completions.create(model=args.model, prompt="word " * (context // 2), max_tokens=context // 2 - 64)
+                cut_short(stop, b.completions.create(model=args.model, prompt="word " * (context // 2),
+                                                     max_tokens=context // 2 - 64, stream=True))
             else:
                 body = json.dumps({"model": args.model, "messages": [{"role": "user", "content": "x" * ((8 << 20) - 200)}]})
                 request = urllib.request.Request(server.url + "/v1/chat/completions", data=body.encode(),
@@ -149,6 +151,14 @@ def attacker(kind: str, server, args, stop: threading.Event, context: int) -> di
     for w in workers:
         w.join(timeout=600)
     return {"answers": seen}
+
+
+def cut_short(stop: threading.Event, stream) -> None:
+    """Read a streamed answer to its end, or close it (the server cancels it) once `stop`."""
+    with stream:
+        for _ in stream:
+            if stop.is_set():
+                raise InterruptedError("the attack ended")
 
 
 def attacks_row(args, key_file, doc: str, questions: list[str], cells: int, context: int) -> dict:

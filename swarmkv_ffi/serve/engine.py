@@ -24,6 +24,7 @@ from ..conductor.requests import ContextFull, RequestPool, RequestResult
 from ..prefix_cache import PrefixCache
 from .errors import Refused, context_exceeded, refused
 from .keys import Keys
+from . import templates
 from .persist import PrefixStore
 from .settings import Settings
 
@@ -66,6 +67,7 @@ class ServeEngine:
                 self.memory.close()
             raise
         self.model = self.pool.model
+        templates.longest_token(self.model)     # its vocabulary read now, not by the first request
         self.max_requests, self.max_per_owner = settings.max_requests, settings.per_key(len(keys.mapping()))
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)   # notified when no choice is in flight

@@ -88,7 +88,7 @@ async def chat(request: Request):
         body = await read_body(request, ChatRequest, s.settings)
         check_model(s, body.model)
         structure = structured.plan(body, parallel_default=templates.model_knows_tools(s.engine.model))
-        tokens = await asyncio.to_thread(chat_tokens, s.engine.model, body, structure)
+        tokens = await asyncio.to_thread(chat_tokens, s.engine, body, structure)
     call = Call(s.engine, who, body, [tokens], s.engine.max_tokens_for([tokens], body.limit(), "messages"),
                 asyncio.get_running_loop(), structure)
     return await answer(request, call, ChatShape(s.name))
@@ -104,7 +104,7 @@ async def completions(request: Request):
             raise Refused(400, "echo and suffix are not supported", "unsupported_parameter",
                           "echo" if body.echo else "suffix")
         structure = structured.plan(body)
-        prompts = await asyncio.to_thread(completion_tokens, s.engine.model, body, structure)
+        prompts = await asyncio.to_thread(completion_tokens, s.engine, body, structure)
     call = Call(s.engine, who, body, prompts, s.engine.max_tokens_for(prompts, body.limit(), "prompt"),
                 asyncio.get_running_loop(), structure)
     return await answer(request, call, CompletionShape(s.name))
@@ -170,12 +170,14 @@ def check_model(s: Served, name: str) -> None:
                       "model_not_found", "model")
 
 
-def chat_tokens(model, body: ChatRequest, structure: structured.Structure) -> list[int]:
+def chat_tokens(engine: ServeEngine, body: ChatRequest, structure: structured.Structure) -> list[int]:
     """The messages (with the tools told, structured.py) through the model's chat
     template, as tokens; the grammar checked against the vocabulary. Off the event loop:
     a body of megabytes takes a while."""
+    model = engine.model
     check_vocabulary(model.n_vocab, body.vocabulary_ids())
     messages = structure.messages([m.for_template() for m in body.messages], templates.model_knows_tools(model))
+    check_length(engine, sum(len(t) for t in templates.message_texts(messages)), "messages")
     check_grammar(model, structure)
     try:
         return templates.tokens(model, messages, structure.tools)
@@ -183,16 +185,30 @@ def chat_tokens(model, body: ChatRequest, structure: structured.Structure) -> li
         raise Refused(400, str(exc), "invalid_request_error", "messages") from None
 
 
-def completion_tokens(model, body: CompletionRequest, structure: structured.Structure) -> list[list[int]]:
+def completion_tokens(engine: ServeEngine, body: CompletionRequest,
+                      structure: structured.Structure) -> list[list[int]]:
     """The prompts as tokens (a prompt given as tokens as it is), every token id the body
     names and the grammar checked."""
+    model = engine.model
     check_vocabulary(model.n_vocab, body.vocabulary_ids())
+    for p in body.prompts():
+        check_length(engine, len(p), "prompt")
     prompts = [p if isinstance(p, list) else [int(t) for t in model.tokenize(p, add_special=True)]
                for p in body.prompts()]
     if not all(prompts):
         raise Refused(400, "the prompt is empty", "empty_prompt", "prompt")
     check_grammar(model, structure)
     return prompts
+
+
+def check_length(engine: ServeEngine, n: int, what: str) -> None:
+    """400 without tokenizing when `n` characters (or tokens) cannot fit the context
+    whatever they say: tokenizing 8 MiB of text took a core from everyone's decodes for
+    seconds, and nobody was charged for it."""
+    longest = templates.longest_token(engine.model)
+    if n > (engine.max_context + 1) * longest:
+        raise Refused(400, f"{what}: {n} characters cannot fit the context of {engine.max_context} tokens "
+                      f"(no token spells more than {longest} characters)", "context_length_exceeded", what)
 
 
 def check_grammar(model, structure: structured.Structure) -> None:

@@ -90,25 +90,39 @@ def message_texts(messages: list[dict]):
             yield call["function"]["arguments"]
 
 
-_CONTROLS: dict[str, tuple[re.Pattern, dict[str, int]] | None] = {}
-_CONTROLS_LOCK = threading.Lock()
+_VOCABULARIES: dict[str, tuple] = {}
+_VOCABULARIES_LOCK = threading.Lock()
+
+
+def _vocabulary(model) -> tuple:
+    """(control tokens as control_tokens() gives them, the most bytes one token spells),
+    read once per model file: a control token renders as nothing unless asked for its
+    special text."""
+    key = str(model.path)
+    with _VOCABULARIES_LOCK:
+        if key not in _VOCABULARIES:
+            texts: dict[str, int] = {}
+            longest = 1
+            for t in range(model.n_vocab):
+                plain, special = model.token_bytes(t), model.token_bytes(t, special=True)
+                longest = max(longest, len(plain), len(special))
+                if special and not plain:
+                    texts.setdefault(special.decode("utf-8", "replace"), t)
+            pattern = "|".join(re.escape(x) for x in sorted(texts, key=len, reverse=True))
+            _VOCABULARIES[key] = ((re.compile(pattern), texts) if texts else None, longest)
+        return _VOCABULARIES[key]
 
 
 def control_tokens(model) -> tuple[re.Pattern, dict[str, int]] | None:
     """(a pattern matching any control token's text, longest first as llama.cpp tries
-    them; text -> token) for the model's vocabulary, found once per model file: a
-    control token renders as nothing unless asked for its special text."""
-    key = str(model.path)
-    with _CONTROLS_LOCK:
-        if key not in _CONTROLS:
-            texts: dict[str, int] = {}
-            for t in range(model.n_vocab):
-                special = model.token_bytes(t, special=True)
-                if special and not model.token_bytes(t):
-                    texts.setdefault(special.decode("utf-8", "replace"), t)
-            pattern = "|".join(re.escape(x) for x in sorted(texts, key=len, reverse=True))
-            _CONTROLS[key] = (re.compile(pattern), texts) if texts else None
-        return _CONTROLS[key]
+    them; text -> token), or None for a vocabulary without one."""
+    return _vocabulary(model)[0]
+
+
+def longest_token(model) -> int:
+    """The most characters one token of the model spells: text longer than this times the
+    context cannot fit, whatever it says, and need not be tokenized to be refused."""
+    return _vocabulary(model)[1]
 
 
 def render(model, messages: list[dict], tools: list[dict] | None = None, mark=None) -> str:
