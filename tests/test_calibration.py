@@ -155,12 +155,15 @@ def test_the_environment_sets_the_table_and_a_malformed_one_is_ignored():
         assert got["source"] == "built-in" and "malformed" in got["note"], bad
 
 
-def expected_rule(measured: list[dict], built_in: list[int]) -> list[int]:
+def expected_rule(measured: list[dict], built_in: list[int]) -> tuple[list[int], set[int]]:
     """The calibrator's decision, restated: per (head, kv, mask, tokens), the fewest
     measured cells from which shared was faster at that size and every larger one; 0 when
     that is the smallest size measured (one token keeps its floor); -1 when it lost at
-    the largest. Entries never measured (head sizes above 256) keep the built-in ones."""
+    the largest. Entries never measured (head sizes above 256) keep the built-in ones.
+    Also the entries this cannot restate: a size whose two times tie in the report's 0.1
+    µs (the calibrator compared them unrounded)."""
     rule = list(built_in)
+    ties = set()
     groups: dict = {}
     for m in measured:
         groups.setdefault((m["head"], m["kv"], m["mask"], m["tokens"]), []).append(m)
@@ -175,7 +178,9 @@ def expected_rule(measured: list[dict], built_in: list[int]) -> list[int]:
         if value == rows[0]["cells"] and tokens > 1:
             value = ALWAYS
         rule[index(head, kv, tokens, mask)] = value
-    return rule
+        if any(abs(m["shared_us"] - m["stock_us"]) <= 0.1 for m in rows):
+            ties.add(index(head, kv, tokens, mask))
+    return rule, ties
 
 
 @pytest.mark.slow
@@ -202,7 +207,9 @@ def test_calibrate_records_a_rule_this_cpu_follows_and_another_cpu_ignores(tmp_p
     assert "recorded in" in proc.stdout and calibration.table(entry["rule"]) in proc.stdout
     # heads x kv x ((tokens, tokens <= cells <= 2048) with the prefix mask + (tokens, 2048) with the window)
     assert len(entry["measured"]) == 3 * 2 * ((5 * 3 + 2) + 6)
-    assert entry["rule"] == expected_rule(entry["measured"], uncalibrated["rule"])
+    expected, ties = expected_rule(entry["measured"], uncalibrated["rule"])
+    assert [r for i, r in enumerate(entry["rule"]) if i not in ties] == [r for i, r in enumerate(expected) if i not in ties]
+    assert len(ties) < len(expected) // 4
     assert cpu.same_identity(entry["cpu"], cpu.identity()) and entry["threads"] == os.cpu_count()
 
     follows = _in_child(STATUS, env)
