@@ -281,12 +281,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama-server binary (default: the stock one from ./build_llama.sh --tools)")
     ap.add_argument("--scenarios", default="at_once,one_by_one,turns,exact,overhead,structured",
                     help="which to run, of those and keys (default: all but keys)")
+    ap.add_argument("--attacks", default="idle,flood,big,body",
+                    help="the keys scenario's attacks, of idle, flood, big, body (default: all)")
+    ap.add_argument("--keys-rows", default="together,attacks", help="the keys scenario's rows (default: both)")
     ap.add_argument("--out", type=Path, default=None, help="folder for serve.json")
     args = ap.parse_args(argv)
     wanted = args.scenarios.split(",")
     unknown = set(wanted) - {"at_once", "one_by_one", "turns", "exact", "overhead", "structured", "keys"}
     if unknown:
         ap.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
+    from .serve_keys import ATTACKS
+    if not set(args.attacks.split(",")) <= set(ATTACKS) or not set(args.keys_rows.split(",")) <= {"together", "attacks"}:
+        ap.error(f"--attacks takes some of {', '.join(ATTACKS)}; --keys-rows some of together, attacks")
     if {"at_once", "one_by_one", "turns", "structured"} & set(wanted):   # (exact and overhead: ours alone)
         args.server = server_binary(args.server, "swarmkv bench serve")
         if args.server is None:

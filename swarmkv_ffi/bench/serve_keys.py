@@ -167,7 +167,7 @@ def attacks_row(args, key_file, doc: str, questions: list[str], cells: int, cont
         a = client(server, KEY_A)
         victim(a, args, doc, questions[:1])                       # the document, cached
         alone = victim(a, args, doc, questions)
-        for kind in ATTACKS:
+        for kind in args.attacks.split(","):
             stop = threading.Event()
             done: dict = {}
             thread = threading.Thread(target=lambda: done.update(attacker(kind, server, args, stop, context)))
@@ -197,5 +197,7 @@ def keys_rows(args, make_doc, questions: list[str], n_ctx_train: int) -> list[di
         key_file.write_text(f"{KEY_A} a\n{KEY_B} b\n")
         docs = {KEY_A: make_doc("A"), KEY_B: make_doc("B")}
         asked = [questions[i % len(questions)] for i in range(args.n)]
-        return [together_row(args, key_file, docs, asked, cells),
-                attacks_row(args, key_file, docs[KEY_A], questions, cells, min(cells, n_ctx_train) - 1)]
+        rows = args.keys_rows.split(",")
+        return ([together_row(args, key_file, docs, asked, cells)] if "together" in rows else []) + \
+            ([attacks_row(args, key_file, docs[KEY_A], questions, cells, min(cells, n_ctx_train) - 1)]
+             if "attacks" in rows else [])
