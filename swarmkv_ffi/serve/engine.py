@@ -22,9 +22,9 @@ from ..conductor.memory import DeviceMemory
 from ..conductor.policy import Policy
 from ..conductor.requests import ContextFull, RequestPool, RequestResult
 from ..prefix_cache import PrefixCache
+from . import templates
 from .errors import Refused, context_exceeded, refused
 from .keys import Keys
-from . import templates
 from .persist import PrefixStore
 from .settings import Settings
 
