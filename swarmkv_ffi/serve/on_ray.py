@@ -23,6 +23,7 @@ import json
 import logging
 import signal
 import threading
+import weakref
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -251,13 +252,16 @@ def ingress(settings: Settings, keys: dict[str, str]):
                     log.warning("serve --ray: a replica died before answering; %s",
                                 "retrying on another" if attempt == 0 else "giving up")
                     continue
-                return StreamingResponse(self.rest(stream, headers, who, forwarded.choices), status_code=status,
+                release = once(lambda: self._leave(who, forwarded.choices))
+                body = self.rest(stream, headers, release)
+                weakref.finalize(body, release)     # a response never sent (the client left first)
+                return StreamingResponse(body, status_code=status,
                                          headers={k: v for k, v in headers if k.lower() != "content-length"})
             self._leave(who, forwarded.choices)
             return refused_response(Refused(503, "the replicas that took this request died; try again",
                                             "replica_lost"))
 
-        async def rest(self, stream, headers, who: int | None, choices: int):
+        async def rest(self, stream, headers, release):
             try:
                 async for chunk in stream:
                     yield chunk
@@ -265,8 +269,18 @@ def ingress(settings: Settings, keys: dict[str, str]):
                 if any(k.lower() == "content-type" and "event-stream" in v for k, v in headers):
                     yield sse(error_body(503, "the replica answering this request died", "replica_lost"))
             finally:
-                self._leave(who, choices)
+                release()               # the key's choices are no longer in flight
     return Ingress
+
+
+def once(action):
+    """`action`, run by the first call only."""
+    done = threading.Lock()
+
+    def run() -> None:
+        if done.acquire(blocking=False):
+            action()
+    return run
 
 
 def application(args, settings: Settings, keys: dict[str, str]):
