@@ -107,6 +107,8 @@ def test_text_too_long_for_any_context_is_refused_without_tokenizing(server):
     everyone's decodes for seconds, and nobody was charged)."""
     with pytest.raises(openai.BadRequestError, match="characters cannot fit the context"):
         ask(server.client(KEY_A), [{"role": "user", "content": "x" * 2_000_000}])
+    with pytest.raises(openai.BadRequestError, match="bytes: no text this long fits the context"):
+        ask(server.client(KEY_A), [{"role": "user", "content": "x" * 4_000_000}])    # not even read
 
 
 def test_a_key_may_hold_half_the_sequences_where_keys_share_them(server):

@@ -85,7 +85,7 @@ async def chat(request: Request):
     who = owner_of(request)
     s = served(request)
     async with s.preparing(who):
-        body = await read_body(request, ChatRequest, s.settings)
+        body = await read_body(request, ChatRequest, s)
         check_model(s, body.model)
         structure = structured.plan(body, parallel_default=templates.model_knows_tools(s.engine.model))
         tokens = await asyncio.to_thread(chat_tokens, s.engine, body, structure)
@@ -98,7 +98,7 @@ async def completions(request: Request):
     who = owner_of(request)
     s = served(request)
     async with s.preparing(who):
-        body = await read_body(request, CompletionRequest, s.settings)
+        body = await read_body(request, CompletionRequest, s)
         check_model(s, body.model)
         if body.echo or body.suffix:
             raise Refused(400, "echo and suffix are not supported", "unsupported_parameter",
@@ -127,9 +127,16 @@ async def capped_body(request: Request, max_body_bytes: int) -> bytes:
     return bytes(raw)
 
 
-async def read_body(request: Request, schema, settings: Settings):
+async def read_body(request: Request, schema, s: Served):
     """The body as `schema`: read within --read-timeout (else 408), parsed and checked
-    on a worker thread (an 8 MiB body parsed on the event loop froze every stream)."""
+    on a worker thread (an 8 MiB body parsed on the event loop froze every stream). A
+    body too long to hold text that fits the context is refused unread, from its
+    Content-Length."""
+    settings = s.settings
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and body_bound(s.engine) < int(size) <= settings.max_body_bytes:
+        raise Refused(400, f"the body is {size} bytes: no text this long fits the context of "
+                      f"{s.engine.max_context} tokens", "context_length_exceeded")
     try:
         async with asyncio.timeout(settings.read_timeout):
             raw = await capped_body(request, settings.max_body_bytes)
@@ -137,6 +144,12 @@ async def read_body(request: Request, schema, settings: Settings):
         raise Refused(408, f"the body did not arrive within {settings.read_timeout:g} s (--read-timeout)",
                       "request_timeout") from None
     return await asyncio.to_thread(parse_body, raw, schema)
+
+
+def body_bound(engine: ServeEngine) -> int:
+    """The most bytes a body can take whose text could fit the context: every character
+    as a 6-byte JSON escape, and 1 MiB for the rest (schemas, token lists, fields)."""
+    return 6 * (engine.max_context + 1) * templates.longest_token(engine.model) + (1 << 20)
 
 
 def parse_body(raw: bytes, schema):
