@@ -23,7 +23,8 @@ samples. This module decides, from costs alone, so it can be tested with made-up
   others' decodes instead of as 512-row steps that stall them (and, where a decode step
   is short beside a prompt row's cost, as on a CPU, not a few rows a step: two keys of
   8 agents over a 1.6k-token document each took 1.9x their time alone twice over in
-  1,300 steps of 3 prompt rows; with the floor, 1.07x); one user alone gets
+  1,300 steps of 3 prompt rows; with the floor, 1.16x in process, 1.15x / 1.11x
+  through `swarmkv bench serve --scenarios keys`); one user alone gets
   steps of up to MAX_STEP_SECONDS, so whoever arrives waits for no more than that. Both come from the pool's own steps (StepCost: a fit
   of its decode-only steps, and the prompt rows steered by what shared steps really
   took), so the cap follows the machine and the context depth it runs at: no row
@@ -99,7 +100,7 @@ class StepCost:
         `limit` while nothing is known yet)."""
         if self._prompt == 0 or self._extra <= 0:
             return limit
-        return max(1, min(limit, int(seconds * self._prompt / self._extra)))
+        return max(1, self.known_rows_in(seconds, limit))
 
     def known_rows_in(self, seconds: float, limit: int) -> int:
         """Prompt rows that add about `seconds` to a step; none while nothing is known."""

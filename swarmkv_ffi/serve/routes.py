@@ -112,11 +112,17 @@ async def completions(request: Request):
 
 # ---- what the POST routes share -------------------------------------------------------------
 
+def declared_length(request: Request) -> int | None:
+    """The body's Content-Length, if it gives a number."""
+    size = request.headers.get("content-length")
+    return int(size) if size is not None and size.isdigit() else None
+
+
 async def capped_body(request: Request, max_body_bytes: int) -> bytes:
     """The request's body, or 413 as soon as it is known to be over the cap (its
     Content-Length, else the bytes read so far): a huge body is never held whole."""
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > max_body_bytes:
+    size = declared_length(request)
+    if size is not None and size > max_body_bytes:
         raise Refused(413, f"the body is {size} bytes; the server takes at most {max_body_bytes} "
                       "(--max-body-bytes)", "body_too_large")
     raw = bytearray()
@@ -133,8 +139,8 @@ async def read_body(request: Request, schema, s: Served):
     body too long to hold text that fits the context is refused unread, from its
     Content-Length."""
     settings = s.settings
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and body_bound(s.engine) < int(size) <= settings.max_body_bytes:
+    size = declared_length(request)
+    if size is not None and body_bound(s.engine) < size <= settings.max_body_bytes:
         raise Refused(400, f"the body is {size} bytes: no text this long fits the context of "
                       f"{s.engine.max_context} tokens", "context_length_exceeded")
     try:
