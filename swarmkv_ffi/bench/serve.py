@@ -283,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="which to run, of those and keys (default: all but keys)")
     ap.add_argument("--attacks", default="idle,flood,big,body",
                     help="the keys scenario's attacks, of idle, flood, big, body (default: all)")
-    ap.add_argument("--keys-rows", default="together,attacks", help="the keys scenario's rows (default: both)")
+    ap.add_argument("--keys-rows", default="together,attacks,oracle",
+                    help="the keys scenario's rows, of together, attacks, oracle (default: all)")
+    ap.add_argument("--oracle-rounds", type=int, default=16, help="the keys oracle's timed guesses (default 16)")
     ap.add_argument("--out", type=Path, default=None, help="folder for serve.json")
     args = ap.parse_args(argv)
     wanted = args.scenarios.split(",")
@@ -291,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
     from .serve_keys import ATTACKS
-    if not set(args.attacks.split(",")) <= set(ATTACKS) or not set(args.keys_rows.split(",")) <= {"together", "attacks"}:
-        ap.error(f"--attacks takes some of {', '.join(ATTACKS)}; --keys-rows some of together, attacks")
+    if not set(args.attacks.split(",")) <= set(ATTACKS) or not set(args.keys_rows.split(",")) <= {"together", "attacks", "oracle"}:
+        ap.error(f"--attacks takes some of {', '.join(ATTACKS)}; --keys-rows some of together, attacks, oracle")
     if {"at_once", "one_by_one", "turns", "structured"} & set(wanted):   # (exact and overhead: ours alone)
         args.server = server_binary(args.server, "swarmkv bench serve")
         if args.server is None:
@@ -301,8 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..model import Model
     with Model(args.model_path) as model:
         doc = document_of(model, args.doc_tokens)
-        keyed_docs = {name: f"Document of key {name}.\n" + document_of(model, args.doc_tokens - 8)
-                      for name in ("A", "B")}
+        keyed_body = document_of(model, args.doc_tokens - 8)
         n_ctx_train = model.n_ctx_train
     per_agent = args.doc_tokens + 128 + args.gen
     per_conversation = args.doc_tokens + args.turns * (64 + args.gen) + 64
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(mask_cost_row(args, doc, args.n * per_agent))
     if "keys" in wanted:
         from .serve_keys import keys_rows
-        rows += keys_rows(args, keyed_docs.get, QUESTIONS, n_ctx_train)
+        rows += keys_rows(args, lambda name: f"Document of key {name}.\n" + keyed_body, QUESTIONS, n_ctx_train)
     report = {"benchmark": "serve", "model": args.model,
               "server_flags": f"-np SLOTS --kv-unified -c SLOTS*cells -t {args.threads} (its defaults otherwise)",
               "rows": rows}

@@ -13,6 +13,12 @@
               reported: the victim's p50 and p99 under each over alone (the target is
               at most 3x), its errors, and its cached prompt tokens (it must keep its
               document whatever B does)
+    oracle    key B guesses from time which documents key A has cached: each round key A
+              asks over a fresh document, then key B times a 1-token request over either
+              that document or another fresh one of the same length; a threshold on time,
+              chosen on the first half of the rounds, scores the second half (the target
+              is at most 60 %; chance is 50 %). The same rounds with key A's own key as the
+              guesser are the control: there the cache is shared and the guess is right.
 
 Both keys are driven by the official `openai` client; the attacker through threads that
 run until the victim's last request has been answered.
@@ -186,6 +192,40 @@ def attacks_row(args, key_file, doc: str, questions: list[str], cells: int, cont
     return {"scenario": "keys_attacks", "alone": alone, "attacks": rows, "requests": len(questions)}
 
 
+def oracle_row(args, key_file, make_doc, cells: int) -> dict:
+    """Key B's guesses at key A's cache from time, and the same with key A guessing (a leak
+    by construction, which the measure must find)."""
+    row = {"scenario": "keys_oracle", "rounds": args.oracle_rounds}
+    for side, guesser in (("other_key", KEY_B), ("same_key", KEY_A)):
+        with keyed_server(args, key_file, cells) as server:
+            a, g = client(server, KEY_A), client(server, guesser)
+            warm(a, args), warm(g, args)
+            samples = []
+            for r in range(args.oracle_rounds):
+                asked, other = make_doc(f"{side} {r} asked"), make_doc(f"{side} {r} other")
+                victim(a, args, asked, ["Summarise."])
+                match = r % 2 == 0
+                t0 = time.perf_counter()
+                g.chat.completions.create(model=args.model, max_tokens=1, temperature=0, messages=[
+                    {"role": "system", "content": asked if match else other}, {"role": "user", "content": "Hi."}])
+                samples.append({"ms": (time.perf_counter() - t0) * 1e3, "match": match})
+        row[side] = guess_score(samples)
+        log(f"keys oracle ({side.replace('_', ' ')} guessing): accuracy {row[side]['accuracy']:.0%}, "
+            f"{row[side]['mean_ms_match']:.0f} ms over a cached document, {row[side]['mean_ms_differ']:.0f} ms "
+            f"over another; target <= 60 % for the other key")
+    return row
+
+
+def guess_score(samples: list[dict]) -> dict:
+    """The best threshold on the first half of `samples` (fast = cached), scored on the second."""
+    half = len(samples) // 2
+    train, test = samples[:half], samples[half:]
+    cut = max((sum((s["ms"] <= c) == s["match"] for s in train), c) for c in sorted(s["ms"] for s in train))[1]
+    means = {m: statistics.fmean(s["ms"] for s in samples if s["match"] == m) for m in (True, False)}
+    return {"accuracy": sum((s["ms"] <= cut) == s["match"] for s in test) / len(test), "threshold_ms": cut,
+            "mean_ms_match": means[True], "mean_ms_differ": means[False], "samples": samples}
+
+
 def keys_rows(args, make_doc, questions: list[str], n_ctx_train: int) -> list[dict]:
     """Both rows, on servers whose pool holds both keys' agents; make_doc(name): a
     document of --doc-tokens; n_ctx_train: the model's, which bounds a request."""
@@ -200,4 +240,5 @@ def keys_rows(args, make_doc, questions: list[str], n_ctx_train: int) -> list[di
         rows = args.keys_rows.split(",")
         return ([together_row(args, key_file, docs, asked, cells)] if "together" in rows else []) + \
             ([attacks_row(args, key_file, docs[KEY_A], questions, cells, min(cells, n_ctx_train) - 1)]
-             if "attacks" in rows else [])
+             if "attacks" in rows else []) + \
+            ([oracle_row(args, key_file, make_doc, cells)] if "oracle" in rows else [])
