@@ -30,6 +30,7 @@ from typing import Protocol
 class Kept:
     owner: int
     tokens: list[int]                   # what the sequence's cells hold, position by position
+    cells: int = 0                      # the cells it books: those no sequence it forked from books
     last_used: float = field(default_factory=time.monotonic)
 
 

@@ -35,9 +35,14 @@ fixed size and keeps the cells of finished requests (`kept`, least recently used
 out) so that a later request that starts with the same tokens forks them instead of
 decoding them again: a radix cache over the pool's cells, matched per owner (kept.py).
 Room for a new request is made from kept sequences only as far as it falls short, its
-owner's first, another owner's only beyond its fair share (evict_for). A seat there still books its whole
-n_ctx, whatever it forked: the sum of seats and kept entries bounds the cells in use
-however entries share cells, so evicting one can never overfill the pool.
+owner's first, another owner's only beyond its fair share (evict_for).
+
+Cells there are booked once, however many sequences share them (`forks`): a request
+books its n_ctx less the prefix it forked, whose cells the sequence it forked from
+books; a kept sequence books its tokens less its fork. When a sequence that others
+forked from goes (evicted, or cancelled), the cells they still use are not freed by
+llama.cpp, so their booking passes to one of them, the heir (`_hand_down`): the sum of
+bookings stays at least the cells in use, and evicting can never overfill the pool.
 """
 from __future__ import annotations
 
@@ -141,6 +146,7 @@ class Pool:
         self.rebuilds = 0                         # times it was reopened while open (STATUS)
         self.last: object | None = None           # the agent stepped last (the one reported evicted)
         self.kept: dict[int, Kept] = {}           # seq -> a finished request's cells, kept as cache
+        self.forks: dict[int, tuple[int, int]] = {}   # request seq -> (seq it forked from, tokens)
 
     # ---- opening and closing ------------------------------------------------------------
     def size_for(self, agents: list) -> tuple[int, int]:
@@ -163,6 +169,7 @@ class Pool:
         self.tomb = self.free_seqs.pop(0) if self.exact else None
         self.cells_free = self.ctx.n_ctx
         self.seats, self.docs, self.kept, self.scrambled, self.resize = {}, {}, {}, False, False
+        self.forks = {}
         self.tomb_cells, self.tomb_by, self.rebuild_by = 0, {}, {}
 
     def close(self) -> list:
@@ -178,7 +185,7 @@ class Pool:
         """Free the context without pausing anyone (the daemon stops, or the model went)."""
         if self.ctx is not None:
             self.ctx.close()
-        self.ctx, self.seats, self.docs, self.kept = None, {}, {}, {}
+        self.ctx, self.seats, self.docs, self.kept, self.forks = None, {}, {}, {}, {}
 
     @property
     def is_open(self) -> bool:
@@ -191,6 +198,8 @@ class Pool:
     def need(self, agent) -> tuple[int, int]:
         """(sequences, cells) seating `agent` takes now, its document included."""
         p = agent.prefix
+        if agent.kind is Kind.REQUEST and not agent.history:
+            return 1, agent.n_ctx - self._will_fork(agent)
         if p is None or agent.saved is not None:
             return 1, agent.n_ctx
         if p.key in self.docs:
@@ -232,7 +241,8 @@ class Pool:
                 self._drop_saved(agent)
                 entry.restored = True
             elif agent.kind is Kind.REQUEST and not agent.history:
-                kv_len, cells = self._fork_kept(agent, seq, entry), agent.n_ctx   # (books its whole n_ctx: see above)
+                kv_len = self._fork_kept(agent, seq, entry)
+                cells = agent.n_ctx - self.forks.get(seq, (None, 0))[1]
             elif agent.prefix is not None and self._tokens_follow_document(agent):
                 entry.restored = self._fork_document(agent, seq)
                 entry.forked = True
@@ -242,6 +252,7 @@ class Pool:
             else:
                 kv_len, cells = 0, agent.n_ctx      # cold, or paused without a snapshot: re-read
         except BaseException:
+            self.forks.pop(seq, None)
             self._retire(seq, 0, agent.owner)
             self.free_seqs.append(seq)
             raise
@@ -319,6 +330,12 @@ class Pool:
                 best = max(best, n)
         return best
 
+    def _will_fork(self, agent) -> int:
+        """The tokens seat() will fork for request `agent`, whose cells it will not book:
+        none where it would restore from the store instead (restored cells are its own)."""
+        n, _ = self.match(agent)
+        return 0 if self.store is not None and n < self.store.min_tokens else n
+
     def _fork_kept(self, agent, seq: int, entry: Entry) -> int:
         """Fork the longest prefix of agent.asked the pool holds into `seq`; or, when that
         is short, restore a longer one from the store (kept.PrefixStore). A long prefix
@@ -332,6 +349,7 @@ class Pool:
                 return got
         if n:
             self.ctx.seq_cp(src, seq, 0, n)
+            self.forks[seq] = (src, n)
             agent.history = list(agent.asked[:n])
             entry.forked = True
             if src in self.kept:
@@ -353,14 +371,45 @@ class Pool:
         if self.last is agent:
             self.last = None
         tokens = agent.history[:seat.kv_len]
-        self.cells_free += seat.cells - len(tokens)
-        self.kept[seat.seq] = Kept(agent.owner, tokens)
+        unused = agent.n_ctx - seat.kv_len         # booked for tokens it did not generate
+        self.cells_free += unused
+        self.kept[seat.seq] = Kept(agent.owner, tokens, seat.cells - unused)
 
     def evict(self, seq: int) -> None:
         kept = self.kept.pop(seq)
-        self.cells_free += len(kept.tokens)
+        self.cells_free += kept.cells - self._hand_down(seq)
         self._retire(seq, 0, kept.owner)
         self.free_seqs.append(seq)
+
+    # ---- one booking per cell ----------------------------------------------------------------
+    def _heir(self, seq: int) -> tuple[int | None, int]:
+        """The sequence that would book what others forked from `seq` once it goes (the
+        one that forked the most of it), and how many cells it would take over."""
+        forked = [(n, d) for d, (src, n) in self.forks.items() if src == seq]
+        if not forked:
+            return None, 0
+        n, heir = max(forked)
+        return heir, max(0, n - self.forks.get(seq, (None, 0))[1])
+
+    def _hand_down(self, seq: int) -> int:
+        """`seq` is going: the cells that sequences forked from it still hold are booked to
+        its heir from now on (the others now fork from the heir, which holds all they
+        do). Returns the cells the heir took over, which leaving frees none of."""
+        heir, took = self._heir(seq)
+        below = self.forks.pop(seq, None)
+        if heir is None:
+            return 0
+        for d, (src, n) in list(self.forks.items()):
+            if src == seq and d != heir:
+                self.forks[d] = (heir, n)
+        n_heir = self.forks.pop(heir)[1]
+        if below is not None and min(n_heir, below[1]) > 0:
+            self.forks[heir] = (below[0], min(n_heir, below[1]))
+        if heir in self.kept:
+            self.kept[heir].cells += took
+        else:
+            next(s for s in self.seats.values() if s.seq == heir).cells += took
+        return took
 
     def evict_for(self, agent) -> bool:
         """Make room for `agent` by dropping kept sequences, or drop none: only as many as
@@ -374,7 +423,7 @@ class Pool:
             if short_seqs <= 0 and short_cells <= 0:
                 break
             chosen.append(seq)
-            short_seqs, short_cells = short_seqs - 1, short_cells - len(self.kept[seq].tokens)
+            short_seqs, short_cells = short_seqs - 1, short_cells - (self.kept[seq].cells - self._heir(seq)[1])
         if short_seqs > 0 or short_cells > 0:
             return False            # it would not fit anyway: nothing is lost while it waits
         for seq in chosen:
@@ -388,13 +437,13 @@ class Pool:
         fair = self.ctx.n_ctx // len(owners)
         held: dict[int, int] = {}
         for kept in self.kept.values():
-            held[kept.owner] = held.get(kept.owner, 0) + len(kept.tokens)
+            held[kept.owner] = held.get(kept.owner, 0) + kept.cells
         by_age = sorted((seq for seq in self.kept if seq != source), key=lambda s: self.kept[s].last_used)
         yield from (seq for seq in by_age if self.kept[seq].owner == agent.owner)
         for seq in by_age:
             kept = self.kept[seq]
             if kept.owner != agent.owner and held[kept.owner] > fair:
-                held[kept.owner] -= len(kept.tokens)
+                held[kept.owner] -= kept.cells
                 yield seq
         if source in self.kept and (self.kept[source].owner == agent.owner or held[self.kept[source].owner] > fair):
             yield source            # last: prefilling it again beats never running
@@ -403,7 +452,7 @@ class Pool:
         """Why `agent` cannot be seated while nothing runs here, in numbers."""
         seqs, cells = self.need(agent)
         owners = {k.owner for k in self.kept.values()} | {agent.owner}
-        others = sum(len(k.tokens) for k in self.kept.values() if k.owner != agent.owner)
+        others = sum(k.cells for k in self.kept.values() if k.owner != agent.owner)
         return (f"the request needs {cells} KV cells and {seqs} sequence(s); the pool has {self.ctx.n_ctx} "
                 f"cells, {self.cells_free} free and {len(self.free_seqs)} sequences free, and other keys keep "
                 f"{others} cells of cached prefixes, within their fair share ({self.ctx.n_ctx // len(owners)} "
@@ -415,7 +464,7 @@ class Pool:
         seat = self.seats.pop(agent.key)
         if pause:
             self._pause(agent, self.ctx, seat)
-        self.cells_free += seat.cells
+        self.cells_free += seat.cells - self._hand_down(seat.seq)
         self._retire(seat.seq, seat.own_from, agent.owner)
         self.ctx.seq_rm(seat.seq)
         self.free_seqs.append(seat.seq)
