@@ -47,6 +47,7 @@ class RequestResult:
     stopped_on_eog: bool
     cancelled: bool = False
     completed: bool = False
+    restored: bool = False      # its cached tokens came from the store (disk), not the pool's cells
 
 
 class Request:
@@ -65,7 +66,8 @@ class Request:
         run.done.wait()
         if run.error is not None:
             raise run.error
-        return RequestResult(list(run.generated), run.cached, run.stopped_on_eog, run.cancelled, run.completed)
+        return RequestResult(list(run.generated), run.cached, run.stopped_on_eog, run.cancelled, run.completed,
+                             run.restored)
 
 
 class RequestPool:
@@ -128,6 +130,21 @@ class RequestPool:
         return Agent(f"request-{next(self._ids)}", base.model_name, base.path, len(tokens) + max_tokens + 1,
                      base.loaded, base.estimate, base.file, owner=owner, kind=Kind.REQUEST,
                      asked=list(tokens), exact=self.exact, decoded=True)
+
+    def stats(self) -> dict:
+        """What the pool holds now and what its steps have carried, for operators: cells
+        (all, free, booked by running requests, booked by kept ones), sequences (running,
+        kept), requests waiting for a seat, and its StepTally. Read from another thread
+        without stopping the scheduler: each figure is current, the set of them nearly so."""
+        scheduler = self.conductor.scheduler
+        pool = scheduler.pools.get(self.key)
+        seats = list(pool.seats.values()) if pool is not None and pool.is_open else []
+        kept = list(pool.kept.values()) if pool is not None and pool.is_open else []
+        free = pool.cells_free if pool is not None and pool.is_open else self.cells
+        tally = scheduler.tally.get(self.key)
+        return {"cells": self.cells, "cells_free": free, "cells_running": sum(s.cells for s in seats),
+                "cells_kept": sum(k.cells for k in kept), "running": len(seats), "kept": len(kept),
+                "waiting": scheduler.waiting(), "steps": tally}
 
     def close(self) -> None:
         """Free the pool and its booking. Call once no request of it is running."""

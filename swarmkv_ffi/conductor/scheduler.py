@@ -110,6 +110,24 @@ class _Op:
         self.done, self.result, self.error = threading.Event(), None, None
 
 
+@dataclass
+class StepTally:
+    """A pool's steps since it opened, for operators (serve's /metrics): how many, the
+    rows they carried, their seconds, and how many steps carried each number of decode rows."""
+    steps: int = 0
+    decode_rows: int = 0
+    prompt_rows: int = 0
+    seconds: float = 0.0
+    by_decode_rows: dict[int, int] = field(default_factory=dict)
+
+    def step(self, decode_rows: int, prompt_rows: int, seconds: float) -> None:
+        self.steps += 1
+        self.decode_rows += decode_rows
+        self.prompt_rows += prompt_rows
+        self.seconds += seconds
+        self.by_decode_rows[decode_rows] = self.by_decode_rows.get(decode_rows, 0) + 1
+
+
 class Scheduler:
     """host: the conductor, which lends the pools what books memory (open_pool) and
     turns a run's prompt into tokens (begin)."""
@@ -118,6 +136,7 @@ class Scheduler:
         self.host = host
         self.policy = policy or Policy()
         self._costs: dict[PoolKey, StepCost] = {}   # per pool key: its steps' fitted cost
+        self.tally: dict[PoolKey, StepTally] = {}    # per pool key: its steps, counted for /metrics
         self._cv = threading.Condition()
         self._waiting: list[Run] = []
         self._batch: list[Run] = []
@@ -525,6 +544,7 @@ class Scheduler:
         seconds = time.perf_counter() - t0
         decode_rows = sum(n for run, _, n, _ in plan if run in decoding)
         self._cost(pool).observe(decode_rows, batch.n_tokens - decode_rows, seconds)
+        self.tally.setdefault(pool.key, StepTally()).step(decode_rows, batch.n_tokens - decode_rows, seconds)
         self._charge(self.policy.by_rows(rows, seconds))
         host: dict[int, float] = {}      # each owner's sampling, logprobs, stop strings, cache
         for run, seat, n, row in plan:

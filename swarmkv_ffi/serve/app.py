@@ -1,6 +1,7 @@
 """The HTTP app: OpenAI's routes (routes.py) on FastAPI, errors in OpenAI's shape (errors.py).
 
     GET  /health                 200 {"status": "ok"}, 503 while stopping
+    GET  /metrics                Prometheus' text format (metrics.py says who sees what)
     GET  /v1/models              the served model
     POST /v1/chat/completions    chat, whole or streamed (server-sent events)
     POST /v1/completions         text completion, whole or streamed
@@ -20,6 +21,7 @@ def create_app(engine: ServeEngine, keys: Keys, settings: Settings) -> FastAPI:
     app.state.served = routes.Served(engine, keys, settings)
     errors.install(app)
     app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/metrics", routes.metrics, methods=["GET"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])

@@ -94,6 +94,7 @@ class Call:
         except BaseException as exc:     # reported to the client, not raised on a thread
             choice.error = refused(exc)
         finally:
+            self.engine.tally.ended(self.owner, choice.result, len(job.tokens), choice.index % self.body.n == 0)
             self.engine.leave(self.owner, 1)
             self.loop.call_soon_threadsafe(self.queue.put_nowait, ("end", choice, None))
 

@@ -25,6 +25,7 @@ from ..prefix_cache import PrefixCache
 from . import templates
 from .errors import Refused, context_exceeded, refused
 from .keys import Keys
+from .metrics import Tally
 from .persist import PrefixStore
 from .settings import Settings
 
@@ -73,6 +74,7 @@ class ServeEngine:
         self._idle = threading.Condition(self._lock)   # notified when no choice is in flight
         self._running: dict[int, int] = {}      # owner -> choices in flight
         self._job_of: dict[int, Job] = {}        # id -> each Job running, for wait_drained()
+        self.tally = Tally()                     # each key's request and token counters (/metrics)
         self.stopping = False
 
     @property
@@ -112,6 +114,11 @@ class ServeEngine:
                 raise Refused(503, f"{total} choices are running; the server takes at most "
                               f"{self.max_requests} (--max-requests)", "server_busy")
             self._running[owner] = mine + n
+
+    def in_flight(self, owner: int | None = None) -> int:
+        """Choices admitted and not ended: owner's, or (None) everyone's."""
+        with self._lock:
+            return sum(self._running.values()) if owner is None else self._running.get(owner, 0)
 
     def leave(self, owner: int, n: int) -> None:
         with self._lock:

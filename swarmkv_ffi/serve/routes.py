@@ -7,12 +7,13 @@ decides admission, fairness or sharing (the engine's and the conductor's).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from .. import grammar
@@ -20,7 +21,9 @@ from . import structured, templates
 from .calls import Call
 from .engine import ServeEngine
 from .errors import Refused, error_body, error_response, refused, unsupported, validation_message
-from .keys import Keys
+from .keys import OPEN, Keys
+from .metrics import CONTENT_TYPE as METRICS_TYPE
+from .metrics import render as metrics_text
 from .responses import ChatShape, CompletionShape, sse
 from .schemas import ChatRequest, CompletionRequest, ModelCard, ModelList, bad_text
 from .settings import Settings
@@ -71,6 +74,20 @@ async def health(request: Request):
         return error_response(503, "the server is draining: running requests finish, new ones are refused",
                               "server_draining")
     return {"status": "ok"}
+
+
+async def metrics(request: Request):
+    """Prometheus' scrape: the whole server's figures for the metrics key (or on a server
+    without keys), a key's own counters for an API key (metrics.py)."""
+    s = served(request)
+    given = (request.headers.get("authorization") or "").removeprefix("Bearer ").strip().encode()
+    wanted = s.settings.metrics_key
+    if wanted is not None and hmac.compare_digest(given, wanted.encode()):
+        owner = None
+    else:
+        owner = owner_of(request)
+        owner = None if owner == OPEN else owner
+    return Response(metrics_text(s.engine, owner), media_type=METRICS_TYPE)
 
 
 async def models(request: Request):

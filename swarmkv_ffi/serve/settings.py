@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .. import catalog
 from ..conductor.requests import MAX_SEQS
-from .keys import Keys
+from .keys import OPEN, Keys
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class Settings:
     max_body_bytes: int = 8 << 20
     read_timeout: float = 30.0               # seconds to send a request's headers, and again its body
     idle_connections_per_address: int = 64   # connections without a request yet (guard.py)
+    metrics_key: str | None = None           # a scrape with it sees the whole server's /metrics
 
     @property
     def served_name(self) -> str:
@@ -74,6 +75,9 @@ class Settings:
             keys = Keys.from_file(self.api_key_file)
         else:
             keys = Keys()
+        if self.metrics_key is not None and (len(self.metrics_key) < 8 or keys.owner(f"Bearer {self.metrics_key}")
+                                             not in (None, OPEN)):
+            raise ValueError("--metrics-key must be at least 8 characters and no API key")
         if not keys.required and not is_loopback(host) and not self.allow_remote_without_key:
             raise ValueError(f"{host} is reachable from other machines and no API key is set; "
                              "pass an API key file (or allow it explicitly)")
@@ -110,6 +114,10 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
     keys.add_argument(f"--{prefix}api-key-file", type=Path, default=d.api_key_file,
                       help="one key per line (optionally followed by a name): each key is an owner "
                            "with its own fair share, quota and cache")
+    flag("metrics-key", default=d.metrics_key,
+         help="a scrape of /metrics with this key (Authorization: Bearer KEY) sees the whole server's "
+              "figures; an API key sees its own requests' counters only (default: none; without API "
+              "keys every scrape sees everything)")
     flag("allow-remote-without-key", action="store_true",
          help="listen on a non-loopback address with no API key (anyone who reaches it may use it)")
     flag("cache-dir", type=Path, default=d.cache_dir, metavar="DIR",

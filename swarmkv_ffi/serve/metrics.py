@@ -1,0 +1,142 @@
+"""GET /metrics: the server's figures in Prometheus' text format, written by prometheus-client.
+
+Two views, so that no key learns another's figures:
+
+- **the operator's**: everything: requests running and waiting, the pool's cells (free,
+  booked by running requests, booked by kept prefixes) and sequences, prompt tokens and
+  how many came from cache (per tier: the pool's cells, or the disk store), prefills
+  avoided, generated tokens, steps and the decode rows each carried. Given to a scrape
+  with `--metrics-key`, or to anyone on a server without keys (loopback, as /v1 is).
+- **a key's own**: the same request and token counters, of that key's requests only, and
+  nothing of the pool (its cells and steps are everyone's traffic). Given to a scrape
+  with an API key.
+
+A fresh registry is filled per scrape from the engine's state and the per-key Tally (a
+custom collector, as prometheus-client documents for figures kept elsewhere), so the
+library writes the format and nothing is a process-wide global.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: Upper bounds of the decode-rows-per-step histogram's buckets.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass
+class KeyCounts:
+    requests: int = 0            # choices ended (answered, stopped or failed)
+    prompt_tokens: int = 0       # once per prompt, as `usage` counts them
+    cached_pool: int = 0         # prompt tokens forked from the pool's cells
+    cached_disk: int = 0         # prompt tokens restored from the --cache-dir store
+    prefills_avoided: int = 0    # prompts that forked or restored a cached prefix
+    generated: int = 0
+
+
+class Tally:
+    """Each owner's counters, bumped as choices end (Call._run, on their own threads)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts: dict[int, KeyCounts] = {}
+
+    def ended(self, owner: int, result, prompt_tokens: int, first_of_prompt: bool) -> None:
+        """A choice ended with `result` (a RequestResult, or None when it failed); the first
+        choice of each prompt counts the prompt and what of it was cached."""
+        with self._lock:
+            c = self._counts.setdefault(owner, KeyCounts())
+            c.requests += 1
+            if result is None:
+                return
+            c.generated += len(result.generated)
+            if first_of_prompt:
+                c.prompt_tokens += prompt_tokens
+                if result.cached:
+                    c.prefills_avoided += 1
+                    if result.restored:
+                        c.cached_disk += result.cached
+                    else:
+                        c.cached_pool += result.cached
+
+    def counts(self, owner: int | None) -> KeyCounts:
+        """One owner's counters, or (None) every owner's summed."""
+        with self._lock:
+            chosen = [c for o, c in self._counts.items() if owner is None or o == owner]
+            return KeyCounts(*(sum(getattr(c, f) for c in chosen) for f in KeyCounts.__dataclass_fields__))
+
+
+class _Collector:
+    """The figures of one scrape: `owner` None for the operator's view, else that key's."""
+
+    def __init__(self, engine, owner: int | None):
+        self.engine, self.owner = engine, owner
+
+    def collect(self):
+        engine, owner = self.engine, self.owner
+        c = engine.tally.counts(owner)
+        yield _counter("requests", "Choices of requests that ended (answered, stopped or failed)", c.requests)
+        yield _counter("prompt_tokens", "Prompt tokens of requests, once per prompt", c.prompt_tokens)
+        cached = CounterMetricFamily("swarmkv_prompt_tokens_cached", "Prompt tokens taken from cache instead "
+                                     "of prefilled, by tier: the pool's cells, or the --cache-dir store",
+                                     labels=["tier"])
+        cached.add_metric(["pool"], c.cached_pool)
+        cached.add_metric(["disk"], c.cached_disk)
+        yield cached
+        yield _counter("prefills_avoided", "Prompts that started from a cached prefix", c.prefills_avoided)
+        yield _counter("generation_tokens", "Tokens generated", c.generated)
+        yield _gauge("requests_running", "Choices admitted and not yet ended (running or waiting for a seat)",
+                     engine.in_flight(owner))
+        if owner is not None:
+            return                          # the pool's figures are every key's traffic
+        stats = engine.pool.stats()
+        yield _gauge("requests_waiting", "Choices waiting for a seat in the pool", stats["waiting"])
+        cells = GaugeMetricFamily("swarmkv_kv_cells", "The request pool's KV cells, by state: all of them, "
+                                  "free, booked by running requests, booked by kept prefixes (each cell "
+                                  "booked once, however many sequences share it)", labels=["state"])
+        for state in ("cells", "cells_free", "cells_running", "cells_kept"):
+            cells.add_metric([state.removeprefix("cells_") if state != "cells" else "total"], stats[state])
+        yield cells
+        seqs = GaugeMetricFamily("swarmkv_sequences", "The pool's sequences in use, by kind", labels=["kind"])
+        seqs.add_metric(["running"], stats["running"])
+        seqs.add_metric(["kept"], stats["kept"])
+        yield seqs
+        tally = stats["steps"]
+        if tally is not None:
+            yield from _steps(tally)
+
+
+def _steps(tally):
+    yield _counter("steps", "Batched decode steps of the pool", tally.steps)
+    yield _counter("step_seconds", "Seconds spent in those steps", tally.seconds)
+    rows = CounterMetricFamily("swarmkv_step_rows", "Batch rows the steps carried, by kind", labels=["kind"])
+    rows.add_metric(["decode"], tally.decode_rows)
+    rows.add_metric(["prompt"], tally.prompt_rows)
+    yield rows
+    seen = dict(tally.by_decode_rows)
+    buckets = []
+    for bound in ROW_BUCKETS:
+        buckets.append((str(float(bound)), sum(n for rows_, n in seen.items() if rows_ <= bound)))
+    total = sum(seen.values())
+    buckets.append(("+Inf", total))
+    yield HistogramMetricFamily("swarmkv_step_decode_rows", "Decode rows per step (requests generating together)",
+                                buckets=buckets, sum_value=sum(r * n for r, n in seen.items()))
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"swarmkv_{name}", doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"swarmkv_{name}", doc, value=value)
+
+
+def render(engine, owner: int | None) -> bytes:
+    """The exposition of one scrape (owner None: the operator's view)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(engine, owner))
+    return generate_latest(registry)

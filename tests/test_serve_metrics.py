@@ -1,0 +1,92 @@
+"""/metrics (issue 45) against a real `swarmkv serve` with two keys and a metrics key:
+the counters move as requests run, sixteen choices over one document decode together
+(their prompt booked once), and a key's scrape shows its own counters only."""
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve_process import MODEL, Serve
+
+pytestmark = pytest.mark.slow
+
+KEY_A, KEY_B, OPERATOR = "key-a-0123456789", "key-b-0123456789", "metrics-0123456789"
+APACHE = (Path(__file__).parent.parent / "examples" / "apache-2.0.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("metrics")
+    keys = folder / "keys"
+    keys.write_text(f"{KEY_A} alice\n{KEY_B} bob\n")
+    with Serve("--ctx-size", "8192", "--parallel", "40", "--api-key-file", str(keys),
+               "--metrics-key", OPERATOR, log=folder / "serve.log") as s:
+        yield s
+
+
+def scrape(server, key: str | None) -> dict:
+    """{(name, labels as a sorted tuple): value} of one scrape with `key`."""
+    request = urllib.request.Request(server.url + "/metrics",
+                                     headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert reply.headers["Content-Type"].startswith("text/plain")
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def steps_over(figures: dict, rows: int) -> float:
+    """Steps that carried more than `rows` decode rows (`rows` a bucket bound; none before
+    the pool's first step)."""
+    bucket = figures.get(("swarmkv_step_decode_rows_bucket", (("le", f"{rows}.0"),)), 0)
+    return figures.get(("swarmkv_step_decode_rows_bucket", (("le", "+Inf"),)), 0) - bucket
+
+
+def test_counters_move_and_sixteen_choices_decode_together(server):
+    """n=16 over a 1,500-token document with max_tokens 48: each choice books its own
+    tokens, not the document again, so all 16 fit 8,192 cells and decode in one step
+    (booked whole, 3 would); the operator's counters say so, and count what ran."""
+    doc = " ".join(APACHE.split()[:1100])
+    before = scrape(server, OPERATOR)
+    reply = server.client(KEY_A).chat.completions.create(
+        model=MODEL, n=16, max_tokens=48, temperature=0.8, seed=1,
+        messages=[{"role": "system", "content": doc}, {"role": "user", "content": "Summarise it."}])
+    after = scrape(server, OPERATOR)
+    grew = {k: after[k] - before.get(k, 0) for k in after}
+    assert grew[("swarmkv_requests_total", ())] == 16
+    assert grew[("swarmkv_prompt_tokens_total", ())] == reply.usage.prompt_tokens
+    assert grew[("swarmkv_generation_tokens_total", ())] == reply.usage.completion_tokens
+    assert steps_over(after, 8) - steps_over(before, 8) >= 1, "no step carried the 16 choices together"
+    assert after[("swarmkv_kv_cells", (("state", "total"),))] == 8192
+    assert after[("swarmkv_requests_running", ())] == 0
+    assert after[("swarmkv_sequences", (("kind", "kept"),))] >= 1
+    again = server.client(KEY_A).chat.completions.create(
+        model=MODEL, max_tokens=4, temperature=0,
+        messages=[{"role": "system", "content": doc}, {"role": "user", "content": "Who wrote it?"}])
+    last = scrape(server, OPERATOR)
+    assert last[("swarmkv_prompt_tokens_cached_total", (("tier", "pool"),))] - \
+        after[("swarmkv_prompt_tokens_cached_total", (("tier", "pool"),))] == again.usage.prompt_tokens_details.cached_tokens > 1000
+    assert last[("swarmkv_prefills_avoided_total", ())] == after[("swarmkv_prefills_avoided_total", ())] + 1
+
+
+def test_a_key_sees_its_own_counters_and_nothing_of_the_pool(server):
+    """Key B's scrape: its requests only (key A's are not in it), no cells, no steps."""
+    mine = scrape(server, KEY_B)
+    assert not any(name.startswith(("swarmkv_kv_cells", "swarmkv_step", "swarmkv_sequences"))
+                   for name, _ in mine)
+    server.client(KEY_B).chat.completions.create(model=MODEL, max_tokens=2, messages=[
+        {"role": "user", "content": "Hi"}])
+    later = scrape(server, KEY_B)
+    assert later[("swarmkv_requests_total", ())] == mine[("swarmkv_requests_total", ())] + 1
+    assert scrape(server, OPERATOR)[("swarmkv_requests_total", ())] > later[("swarmkv_requests_total", ())]
+
+
+@pytest.mark.parametrize("key", [None, "metrics-wrong-0123"])
+def test_a_scrape_without_a_valid_key_is_refused(server, key):
+    with pytest.raises(urllib.error.HTTPError) as info:
+        scrape(server, key)
+    assert info.value.code == 401
