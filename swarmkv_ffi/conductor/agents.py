@@ -110,6 +110,7 @@ class Agent:
     decoded: bool = False                 # it has sent a DECODE (pools are sized for it)
     kind: Kind = Kind.CONVERSATION        # a conversation, a request, or a request pool's reservation
     asked: list[int] = field(default_factory=list)   # a request's prompt tokens (forked where the pool holds them)
+    preempted: bool = False               # a request that gave its cells up: back, it books them all
     exact: bool = False                   # decodes in an exact pool without a document (a request pool's)
 
     @property

@@ -67,6 +67,12 @@ def estimate(mf: ModelFile, fd: int, n_ctx: int, facts: dict | None = None) -> E
     file (the daemon loads such a file only once the sandbox has survived it)."""
     if facts is None:
         facts = _trusted_facts(mf, fd)
+    return of_facts(facts, n_ctx)
+
+
+def of_facts(facts: dict, n_ctx: int) -> Estimate:
+    """The estimate for a context of n_ctx cells of a model with these facts: its KV, and
+    a compute buffer for one ubatch whose attention scores grow with n_ctx."""
     kv = n_ctx * facts["n_layer"] * facts["n_head_kv"] * (facts["key_length"] + facts["value_length"]) * KV_BYTES
     compute = 4 * N_UBATCH * (facts["n_vocab"] + 4 * facts["n_embd"] + facts["n_head"] * n_ctx)
     return Estimate(weights=facts["weights"], kv=kv, compute=compute)

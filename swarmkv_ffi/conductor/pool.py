@@ -38,8 +38,10 @@ Room for a new request is made from kept sequences only as far as it falls short
 owner's first, another owner's only beyond its fair share (evict_for).
 
 Cells there are booked once, however many sequences share them (`forks`): a request
-books its n_ctx less the prefix it forked, whose cells the sequence it forked from
-books; a kept sequence books its tokens less its fork. When a sequence that others
+books its tokens less the prefix it forked, whose cells the sequence it forked from
+books, and RESERVE more, growing by RESERVE as it generates (a request the pool has no
+room to grow gives its cells up: the scheduler's _reserve); a kept sequence books its
+tokens less its fork. When a sequence that others
 forked from goes (evicted, or cancelled), the cells they still use are not freed by
 llama.cpp, so their booking passes to one of them, the heir (`_hand_down`): the sum of
 bookings stays at least the cells in use, and evicting can never overfill the pool.
@@ -62,6 +64,12 @@ MAX_SEQS = 256
 #: its cells, wherever they sit, widen the range of cells every later step attends over
 #: (a 10-token kept request below a 1.6k-token prompt made its prefill 25 % slower).
 KEEP_MIN = 32
+#: A request in a fast pool books its prompt and this many more cells at first, and this
+#: many more each time it has generated into them (grow), instead of all of max_tokens:
+#: most agents stop long before their max_tokens, and what they never generate would
+#: keep others waiting. An exact pool books max_tokens whole (its freed cells go to the
+#: tomb, so growing would have nothing to take from).
+RESERVE = 64
 
 
 class NoRoom(SwarmKVError):
@@ -195,11 +203,12 @@ class Pool:
     def seat_of(self, agent) -> Seat | None:
         return self.seats.get(agent.key)
 
-    def need(self, agent) -> tuple[int, int]:
-        """(sequences, cells) seating `agent` takes now, its document included."""
+    def need(self, agent, whole: bool = False) -> tuple[int, int]:
+        """(sequences, cells) seating `agent` takes now, its document included; whole: a
+        request's cells up to its max_tokens, as if it booked them all at once."""
         p = agent.prefix
-        if agent.kind is Kind.REQUEST and not agent.history:
-            return 1, agent.n_ctx - self._will_fork(agent)
+        if agent.kind is Kind.REQUEST and agent.saved is None:
+            return 1, self._first_reach(agent, whole) - self._will_fork(agent)
         if p is None or agent.saved is not None:
             return 1, agent.n_ctx
         if p.key in self.docs:
@@ -228,6 +237,34 @@ class Pool:
         seqs, cells = self.need(agent)
         return len(self.free_seqs) >= seqs and self.cells_free >= cells
 
+    # ---- a request's reservation -----------------------------------------------------------
+    def _first_reach(self, agent, whole: bool = False) -> int:
+        """Positions a request's seat books when seated: its tokens so far (a preempted
+        one's include what it generated) and RESERVE more, or all up to max_tokens (exact
+        pools, a preempted request, or whole)."""
+        if whole or self.exact or agent.preempted:
+            return agent.n_ctx
+        return min(agent.n_ctx, len(agent.history or agent.asked) + RESERVE)
+
+    def reach(self, seat: Seat) -> int:
+        """Positions of the seat's sequence that its booking, and the fork's, cover."""
+        return self.forks.get(seat.seq, (None, 0))[1] + seat.cells
+
+    def grow(self, seat: Seat, upto: int) -> bool:
+        """Book room for the request's positions below `upto` (and RESERVE beyond, if the
+        pool has it), evicting kept sequences as evict_for would; False when even that
+        leaves too few free cells: someone must be preempted."""
+        reach = self.reach(seat)
+        if upto <= reach:
+            return True
+        least, most = upto - reach, min(seat.agent.n_ctx, upto + RESERVE) - reach
+        if self.cells_free < least and not self._evict(seat.agent, 0, least - self.cells_free):
+            return False
+        take = min(most, self.cells_free)
+        seat.cells += take
+        self.cells_free -= take
+        return True
+
     def seat(self, agent) -> Entry:
         """Give `agent` a sequence: its snapshot restored, its document forked, or its
         tokens left to re-read (kv_len 0). The caller checked fits()."""
@@ -240,9 +277,9 @@ class Pool:
                 kv_len, cells = len(agent.history), agent.n_ctx
                 self._drop_saved(agent)
                 entry.restored = True
-            elif agent.kind is Kind.REQUEST and not agent.history:
+            elif agent.kind is Kind.REQUEST:
                 kv_len = self._fork_kept(agent, seq, entry)
-                cells = agent.n_ctx - self.forks.get(seq, (None, 0))[1]
+                cells = self._first_reach(agent) - self.forks.get(seq, (None, 0))[1]
             elif agent.prefix is not None and self._tokens_follow_document(agent):
                 entry.restored = self._fork_document(agent, seq)
                 entry.forked = True
@@ -308,11 +345,13 @@ class Pool:
                 yield other.history[:seat.kv_len], seat.seq
 
     def match(self, agent) -> tuple[int, int | None]:
-        """The longest prefix of agent.asked this pool holds cells for, and the sequence
-        holding it; at most all but the last token, whose logits the request needs."""
+        """The longest prefix of the request's tokens (agent.asked, or a preempted one's
+        history) this pool holds cells for, and the sequence holding it; at most all but
+        the last token, whose logits the request needs."""
         best, best_seq = 0, None
+        wanted = agent.history or agent.asked
         for tokens, seq in self._matches(agent):
-            n = min(longest_common_prefix(tokens, agent.asked), len(agent.asked) - 1)
+            n = min(longest_common_prefix(tokens, wanted), len(wanted) - 1)
             if n > best:
                 best, best_seq = n, seq
         return best, best_seq
@@ -341,16 +380,17 @@ class Pool:
         is short, restore a longer one from the store (kept.PrefixStore). A long prefix
         forked from another request is one requests share: it goes to the store."""
         n, src = self.match(agent)
+        wanted = agent.history or agent.asked
         if self.store is not None and n < self.store.min_tokens:
-            got = self.store.recall(agent.owner, agent.asked, self.ctx, seq, more_than=n)
+            got = self.store.recall(agent.owner, wanted, self.ctx, seq, more_than=n)
             if got:
-                agent.history = list(agent.asked[:got])
+                agent.history = agent.history or list(agent.asked[:got])
                 entry.restored = True
                 return got
         if n:
             self.ctx.seq_cp(src, seq, 0, n)
             self.forks[seq] = (src, n)
-            agent.history = list(agent.asked[:n])
+            agent.history = agent.history or list(agent.asked[:n])
             entry.forked = True
             if src in self.kept:
                 self.kept[src].last_used = time.monotonic()
@@ -371,7 +411,7 @@ class Pool:
         if self.last is agent:
             self.last = None
         tokens = agent.history[:seat.kv_len]
-        unused = agent.n_ctx - seat.kv_len         # booked for tokens it did not generate
+        unused = self.reach(seat) - seat.kv_len    # booked for tokens it did not generate
         self.cells_free += unused
         self.kept[seat.seq] = Kept(agent.owner, tokens, seat.cells - unused)
 
@@ -417,7 +457,10 @@ class Pool:
         (least recently used first), then others' only while their owner keeps more cells
         than its fair share of the pool. True when it fits."""
         seqs, cells = self.need(agent)
-        short_seqs, short_cells = seqs - len(self.free_seqs), cells - self.cells_free
+        return self._evict(agent, seqs - len(self.free_seqs), cells - self.cells_free) and self.fits(agent)
+
+    def _evict(self, agent, short_seqs: int, short_cells: int) -> bool:
+        """Drop kept sequences `agent` may evict until the shortfall is made up, or none."""
         chosen = []
         for seq in self._evictable(agent):
             if short_seqs <= 0 and short_cells <= 0:
@@ -428,7 +471,16 @@ class Pool:
             return False            # it would not fit anyway: nothing is lost while it waits
         for seq in chosen:
             self.evict(seq)
-        return self.fits(agent)
+        return True
+
+    def could_hold(self, agent) -> bool:
+        """Whether the request could run to its max_tokens here with nothing else running:
+        its whole booking within the free cells, the tomb's, and the kept cells it may
+        evict (pool.py's fair share)."""
+        seqs, cells = self.need(agent, whole=True)
+        evictable = sum(self.kept[seq].cells - self._heir(seq)[1] for seq in self._evictable(agent))
+        return len(self.free_seqs) + len(self.kept) >= seqs and \
+            self.cells_free + self.tomb_cells + evictable >= cells
 
     def _evictable(self, agent):
         """The kept sequences `agent` may evict, in the order it should."""
@@ -450,7 +502,7 @@ class Pool:
 
     def no_room(self, agent) -> str:
         """Why `agent` cannot be seated while nothing runs here, in numbers."""
-        seqs, cells = self.need(agent)
+        seqs, cells = self.need(agent, whole=True)
         owners = {k.owner for k in self.kept.values()} | {agent.owner}
         others = sum(k.cells for k in self.kept.values() if k.owner != agent.owner)
         return (f"the request needs {cells} KV cells and {seqs} sequence(s); the pool has {self.ctx.n_ctx} "

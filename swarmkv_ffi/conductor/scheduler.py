@@ -119,6 +119,7 @@ class StepTally:
     prompt_rows: int = 0
     seconds: float = 0.0
     by_decode_rows: dict[int, int] = field(default_factory=dict)
+    preemptions: int = 0         # requests that gave their cells up for others to grow
 
     def step(self, decode_rows: int, prompt_rows: int, seconds: float) -> None:
         self.steps += 1
@@ -310,6 +311,8 @@ class Scheduler:
                 return
         self._join()
         if self._batch:
+            self._reserve(self.live)
+        if self._batch:
             self._step()
 
     def _gather(self) -> None:
@@ -389,10 +392,12 @@ class Scheduler:
         an agent at a time."""
         pool = self.live
         busy = {id(r.agent) for r in self._batch}
+        held_back = False      # a preempted request waits for room: none after it takes that room
         for run in sorted((r for r in self._waiting if r.pool_key == pool.key), key=self._order):
-            if id(run.agent) in busy or self._earlier_run_of(run) or self._prefix_coming(pool, run):
+            if held_back or id(run.agent) in busy or self._earlier_run_of(run) or self._prefix_coming(pool, run):
                 continue
             if pool.seat_of(run.agent) is None and not self._make_room(pool, run):
+                held_back = run.agent.preempted
                 continue
             busy.add(id(run.agent))
             self._waiting.remove(run)
@@ -440,6 +445,9 @@ class Scheduler:
         reopen the pool larger if agents were registered since it opened (its runs rejoin
         at once); else, if the batch is full of runs whose slice is over, the one of the
         user who has used the most gives its seat up. False when `run` must wait."""
+        if pool.fixed is not None and not pool.seats and not pool.could_hold(run.agent):
+            self._finish(run, error=NoRoom(pool.no_room(run.agent)))   # it could never run to its end
+            return False
         if pool.fits(run.agent) or (pool.kept and pool.evict_for(run.agent)):
             return True
         if pool.fixed is not None and not pool.seats and not pool.fits_after_flush(run.agent):
@@ -492,6 +500,31 @@ class Scheduler:
         if self.policy.reopen(run.owner):
             return idle
         return free
+
+    # ---- requests' cells as they grow ----------------------------------------------------------
+    def _reserve(self, pool: Pool) -> None:
+        """Every request in the batch has cells booked for what this step adds to it (a
+        fast request pool books RESERVE at a time, pool.py): where the pool has none left,
+        the request that comes last (its user has used the most, then the newest) gives
+        its cells up and waits, to re-read its tokens when it can book all it may need."""
+        if pool.fixed is None or pool.exact:
+            return
+        for run in sorted(self._batch, key=self._order):
+            if run not in self._batch:
+                continue                       # preempted for an earlier one
+            upto = len(run.agent.history) + len(run.feed)
+            while not pool.grow(pool.seat_of(run.agent), upto):
+                victim = max(self._batch, key=self._order)
+                self._preempt(pool, victim)
+                if victim is run:
+                    break
+
+    def _preempt(self, pool: Pool, run: Run) -> None:
+        """Free the run's cells (what others forked of them stays) and put it back to wait."""
+        run.agent.preempted = True
+        pool.unseat(run.agent, pause=False)
+        self._to_waiting(run)
+        self.tally.setdefault(pool.key, StepTally()).preemptions += 1
 
     # ---- one step ---------------------------------------------------------------------------
     def _step(self) -> None:
