@@ -33,7 +33,7 @@ LAYERS: list[list[str]] = [
     ["conductor.agents", "conductor.access"],                           # the Conductor
     ["conductor.requests", "conductor.server"],                         # its two doors: requests, the socket
     ["serve", "serve.schemas", "serve.keys", "serve.text", "serve.routing", "serve.persist", "serve.templates",
-     "serve.guard"],
+     "serve.guard", "serve.metrics", "serve.sizing"],
     ["serve.errors", "serve.settings", "serve.structured"],
     ["serve.engine"],                                                   # serve/ on conductor.requests
     ["serve.calls"],

@@ -90,3 +90,30 @@ def test_a_scrape_without_a_valid_key_is_refused(server, key):
     with pytest.raises(urllib.error.HTTPError) as info:
         scrape(server, key)
     assert info.value.code == 401
+
+
+def test_sixteen_agents_without_max_tokens_start_together(server):
+    """16 agents at once over the whole license (about 2,500 tokens), sending no max_tokens
+    (as LangChain does: 1,024 each by default): each books its question and a few dozen
+    cells more, growing as it goes, so all 16 decode in one step in 8,192 cells (booking
+    max_tokens whole, 4 would) and none is refused."""
+    import threading
+    before = scrape(server, OPERATOR)
+    client = server.client(KEY_A)
+    replies, errors = [], []
+
+    def agent(i: int) -> None:
+        try:
+            replies.append(client.chat.completions.create(model=MODEL, temperature=0, stop=["\n"], messages=[
+                {"role": "system", "content": APACHE},
+                {"role": "user", "content": f"In one line: what does section {i + 1} say?"}]))
+        except Exception as exc:
+            errors.append(exc)
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(replies) == 16
+    after = scrape(server, OPERATOR)
+    assert steps_over(after, 8) - steps_over(before, 8) >= 1, "no step carried the 16 agents together"

@@ -11,5 +11,6 @@ into one output folder; tests never assert timings.
     conductor.py multiuser.py agents.py   lmxd: swap and STATUS, a hostile user, N agents
     serve.py cluster.py   swarmkv serve against llama-server; serve and fan-out on Ray
     serve_keys.py   `bench serve --scenarios keys`: two API keys on one server, one attacking
+    serve_scale.py  `bench serve --scenarios scale`: 16..256 agents at once on the defaults
     frameworks.py grammar.py   agent frameworks against both servers; llguidance vs xgrammar
 """

@@ -56,7 +56,7 @@ class SimulatedCluster:
 def serve_side(args, address: str, route: str, docs: list[str]) -> dict:
     """One run: a fresh `swarmkv serve --ray` routed by `route`, every agent at once."""
     from .peer import HttpServer
-    from .serve import client_of
+    from .servers import client_of
     command = lambda port: [sys.executable, "-m", "swarmkv_ffi.cli", "serve", "--ray", address,  # noqa: E731
                             "--port", str(port), "--replicas", str(args.replicas), "--threads", "1",
                             "--route", route, "--model", args.model, "--ctx-size", str(args.ctx_size),

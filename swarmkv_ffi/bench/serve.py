@@ -18,6 +18,8 @@ warm-up request:
     overhead    a 1-token request over HTTP vs the same prompt through generate() in process
     keys        ours alone: two API keys sharing one server, and one attacking the other
                 (serve_keys.py says how)
+    scale       N agents at once (16..256) over one document and over four, ours on its
+                defaults against llama-server -np N (serve_scale.py says how)
 
 Reported: wall seconds per side, llama-server's / ours, tokens, prompt tokens served from
 cache (usage.prompt_tokens_details.cached_tokens, where a side reports it), and how many
@@ -39,7 +41,8 @@ from pathlib import Path
 
 from .. import catalog
 from .measure import at_once, document_of, report_json, settings_of
-from .peer import HttpServer, Server, log, server_binary
+from .peer import log, server_binary
+from .servers import ask, cached_of, client_of, ours, theirs
 
 QUESTIONS = ["What is this document about?", "Who may use the work?", "What must be kept in copies?",
              "What is excluded?", "Can I sell copies?", "What happens if I sue?", "What is a Contribution?",
@@ -54,36 +57,6 @@ SCHEMA = {"type": "object",
                          "confidence": {"enum": ["low", "medium", "high"]},
                          "sections": {"type": "array", "items": {"type": "integer", "minimum": 1}, "maxItems": 3}},
           "required": ["answer", "confidence", "sections"], "additionalProperties": False}
-
-
-def ours(args, cells: int, exact: bool = False) -> HttpServer:
-    """`swarmkv serve` on a free loopback port (at least the 512 cells it takes)."""
-    return HttpServer(lambda port: [sys.executable, "-m", "swarmkv_ffi.cli", "serve", "--model", args.model,
-                                    "--port", str(port), "--threads", str(args.threads),
-                                    "--ctx-size", str(max(512, cells)),
-                                    "--parallel", "128"] + (["--exact"] if exact else []), "swarmkv serve")
-
-
-def theirs(args, slots: int, cells_per_slot: int, jinja: bool = False) -> Server:
-    return Server(args.server, args.model_path, args.threads,
-                  ["-np", str(slots), "--kv-unified", "-c", str(slots * cells_per_slot)] + (["--jinja"] if jinja else []))
-
-
-def client_of(server, model: str):
-    from openai import OpenAI
-    client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=3600)
-    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
-                                   temperature=0)
-    return client
-
-
-def ask(client, model: str, messages: list[dict], gen: int):
-    return client.chat.completions.create(model=model, messages=messages, max_tokens=gen, temperature=0)
-
-
-def cached_of(usage) -> int | None:
-    details = getattr(usage, "prompt_tokens_details", None)
-    return getattr(details, "cached_tokens", None) if details is not None else None
 
 
 def summary(wall_s: float, replies: list) -> dict:
@@ -280,22 +253,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", type=Path, default=None,
                     help="llama-server binary (default: the stock one from ./build_llama.sh --tools)")
     ap.add_argument("--scenarios", default="at_once,one_by_one,turns,exact,overhead,structured",
-                    help="which to run, of those and keys (default: all but keys)")
+                    help="which to run, of those and keys, scale (default: all but keys and scale)")
     ap.add_argument("--attacks", default="idle,flood,big,body",
                     help="the keys scenario's attacks, of idle, flood, big, body (default: all)")
     ap.add_argument("--keys-rows", default="together,attacks,oracle",
                     help="the keys scenario's rows, of together, attacks, oracle (default: all)")
+    ap.add_argument("--scale-agents", default="16,64,128,256", help="the scale scenario's N (default: %(default)s)")
+    ap.add_argument("--scale-server-max", type=int, default=16,
+                    help="the largest N llama-server runs in scale (default: %(default)s)")
     ap.add_argument("--oracle-rounds", type=int, default=16, help="the keys oracle's timed guesses (default 16)")
     ap.add_argument("--out", type=Path, default=None, help="folder for serve.json")
     args = ap.parse_args(argv)
     wanted = args.scenarios.split(",")
-    unknown = set(wanted) - {"at_once", "one_by_one", "turns", "exact", "overhead", "structured", "keys"}
+    unknown = set(wanted) - {"at_once", "one_by_one", "turns", "exact", "overhead", "structured", "keys", "scale"}
     if unknown:
         ap.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
     from .serve_keys import ATTACKS
     if not set(args.attacks.split(",")) <= set(ATTACKS) or not set(args.keys_rows.split(",")) <= {"together", "attacks", "oracle"}:
         ap.error(f"--attacks takes some of {', '.join(ATTACKS)}; --keys-rows some of together, attacks, oracle")
-    if {"at_once", "one_by_one", "turns", "structured"} & set(wanted):   # (exact and overhead: ours alone)
+    if {"at_once", "one_by_one", "turns", "structured", "scale"} & set(wanted):   # (exact and overhead: ours alone)
         args.server = server_binary(args.server, "swarmkv bench serve")
         if args.server is None:
             return 2
@@ -324,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     if "keys" in wanted:
         from .serve_keys import keys_rows
         rows += keys_rows(args, lambda name: f"Document of key {name}.\n" + keyed_body, QUESTIONS, n_ctx_train)
+    if "scale" in wanted:
+        from .serve_scale import scale_rows
+        rows += scale_rows(args, lambda name: f"Document {name}.\n" + keyed_body, QUESTIONS)
     report = {"benchmark": "serve", "model": args.model,
               "server_flags": f"-np SLOTS --kv-unified -c SLOTS*cells -t {args.threads} (its defaults otherwise)",
               "rows": rows}

@@ -10,6 +10,8 @@ Lowest first (tests/test_layers.py holds the same order):
     templates.py  a chat through the model's own Jinja template (jinja2's sandbox), tool turns;
                   control tokens only from the template's own text
     guard.py      uvicorn's protocol with a deadline for a request's headers, an idle cap per address
+    metrics.py    /metrics in Prometheus' format (prometheus-client): the operator's view, a key's own
+    sizing.py     the pool's default --ctx-size, from the model and the memory budget
     errors.py     every failure as OpenAI's error JSON (Refused), for the app and on_ray
     settings.py   the server's settings and their flags, written once for every front
     structured.py response_format, tools and grammar: the grammar a request's output follows,

@@ -69,12 +69,15 @@ def main(argv: list[str] | None = None) -> int:
         from .on_ray import run
         return run(args, settings, keys.mapping())
     engine = ServeEngine(settings, keys, threads=args.threads, budget_bytes=args.budget_bytes)
+    settings = engine.settings                  # (--ctx-size chosen, if it was not given)
     app = create_app(engine, keys, settings)
     http = server(engine, uvicorn_config(app, args.host, args.port, settings, args.verbose))
     mode = "exact" if settings.exact else "fast"
     print(f"swarmkv serve: {settings.served_name} ({engine.pool.path.name}, {mode} mode, {settings.ctx_size} "
           f"cells, {settings.parallel} sequences) on http://{args.host}:{args.port}/v1"
           f"{'' if keys.required else ' (no API key)'}", file=sys.stderr, flush=True)
+    if engine.sized is not None:
+        print(f"swarmkv serve: --ctx-size {engine.sized.cells}: {engine.sized.why}", file=sys.stderr, flush=True)
     try:
         http.run()
     finally:

@@ -12,6 +12,7 @@ Jobs and results into responses.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -22,7 +23,8 @@ from ..conductor.memory import DeviceMemory
 from ..conductor.policy import Policy
 from ..conductor.requests import ContextFull, RequestPool, RequestResult
 from ..prefix_cache import PrefixCache
-from . import templates
+from .. import catalog
+from . import sizing, templates
 from .errors import Refused, context_exceeded, refused
 from .keys import Keys
 from .metrics import Tally
@@ -60,6 +62,10 @@ class ServeEngine:
                                                     policy=Policy(lone_step_seconds=None))
             cache = PrefixCache.open_optional(settings.cache_dir) if settings.cache_dir is not None else None
             self.store = PrefixStore(cache, keys.key_of) if cache is not None else None
+            self.sized = None if settings.ctx_size is not None else sizing.for_model(
+                catalog.resolve(settings.model), self.conductor.ledger.limit() - self.conductor.ledger.allocated)
+            if self.sized is not None:
+                settings = self.settings = dataclasses.replace(settings, ctx_size=self.sized.cells)
             self.pool = RequestPool(self.conductor, settings.model, cells=settings.ctx_size,
                                     seqs=settings.parallel, exact=settings.exact,
                                     share=settings.share_prefixes, store=self.store)

@@ -76,7 +76,7 @@ class Front:
         settings.check()
         keys = settings.keys(host)
         self.engine = ServeEngine(settings, keys, conductor=conductor)
-        app = create_app(self.engine, keys, settings)
+        app = create_app(self.engine, keys, self.engine.settings)
         self.server = server(self.engine, uvicorn_config(app, host, port, settings, 0))
         self.thread = threading.Thread(target=self.server.run, name="lmxd-http", daemon=True)
         self.thread.start()

@@ -5,7 +5,7 @@ Two views, so that no key learns another's figures:
 - **the operator's**: everything: requests running and waiting, the pool's cells (free,
   booked by running requests, booked by kept prefixes) and sequences, prompt tokens and
   how many came from cache (per tier: the pool's cells, or the disk store), prefills
-  avoided, generated tokens, steps and the decode rows each carried. Given to a scrape
+  avoided, generated tokens, steps and the decode rows each carried, preemptions. Given to a scrape
   with `--metrics-key`, or to anyone on a server without keys (loopback, as /v1 is).
 - **a key's own**: the same request and token counters, of that key's requests only, and
   nothing of the pool (its cells and steps are everyone's traffic). Given to a scrape
@@ -113,6 +113,8 @@ class _Collector:
 def _steps(tally):
     yield _counter("steps", "Batched decode steps of the pool", tally.steps)
     yield _counter("step_seconds", "Seconds spent in those steps", tally.seconds)
+    yield _counter("preemptions", "Running requests that gave their cells up for others to grow "
+                   "(they re-read their tokens later)", tally.preemptions)
     rows = CounterMetricFamily("swarmkv_step_rows", "Batch rows the steps carried, by kind", labels=["kind"])
     rows.add_metric(["decode"], tally.decode_rows)
     rows.add_metric(["prompt"], tally.prompt_rows)

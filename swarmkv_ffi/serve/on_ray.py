@@ -168,7 +168,7 @@ class Replica:
         from .keys import Keys
         keys = Keys(keys)
         self.engine = ServeEngine(settings, keys, threads=threads, budget_bytes=budget_bytes)
-        self.app = create_app(self.engine, keys, settings)
+        self.app = create_app(self.engine, keys, self.engine.settings)
         self.id = serve.get_replica_context().replica_id.unique_id
 
     async def __call__(self, request: Forwarded):

@@ -23,8 +23,8 @@ from .keys import OPEN, Keys
 class Settings:
     model: str = catalog.DEFAULT_MODEL
     name: str | None = None                  # the model id clients send (default: model as given)
-    ctx_size: int = 32768                    # the pool's KV cells
-    parallel: int = 64                       # the pool's sequences
+    ctx_size: int | None = None              # the pool's KV cells (None: sizing.py chooses)
+    parallel: int = MAX_SEQS - 1             # the pool's sequences: llama.cpp's most
     exact: bool = False
     share_prefixes: bool = False
     cache_dir: Path | None = None
@@ -45,7 +45,7 @@ class Settings:
 
     def check(self) -> None:
         """A clear ValueError for a setting that cannot work, before anything loads."""
-        if self.ctx_size < 512:
+        if self.ctx_size is not None and self.ctx_size < 512:
             raise ValueError(f"--ctx-size must be at least 512 cells, got {self.ctx_size}")
         if not 2 <= self.parallel <= MAX_SEQS - 1:
             raise ValueError(f"--parallel must be in 2..{MAX_SEQS - 1}, got {self.parallel}")
@@ -103,9 +103,11 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
     flag("name", default=d.name, help="the model id clients send (default: the model as given)")
     flag("ctx-size", type=int, default=d.ctx_size,
          help="KV cells of the pool: every running request's prompt + max_tokens and the cached "
-              "prefixes share them (default: %(default)s)")
+              "prefixes share them, each cell booked once (default: 4 x the model's context, or what "
+              "a quarter of the memory budget holds if less; the startup line says which)")
     flag("parallel", type=int, default=d.parallel,
-         help="sequences in the pool: requests running plus kept prefixes (default: %(default)s)")
+         help="sequences in the pool: requests running plus kept prefixes (default: %(default)s, "
+              "llama.cpp's most: a sequence costs no memory of its own, the cells bound how many run)")
     flag("exact", action="store_true",
          help="batch-invariant kernels: a request's answer does not depend on what else runs")
     keys = p.add_mutually_exclusive_group()

@@ -1,0 +1,38 @@
+"""Both sides of `swarmkv bench serve` as agents meet them: the two servers on loopback
+ports, and a request through the official `openai` client."""
+from __future__ import annotations
+
+import sys
+
+from .peer import HttpServer, Server
+
+
+def ours(args, cells: int | None, exact: bool = False) -> HttpServer:
+    """`swarmkv serve` on a free loopback port: a pool of `cells` (at least the 512 it
+    takes) and 128 sequences, or (None) its own defaults for both."""
+    size = [] if cells is None else ["--ctx-size", str(max(512, cells)), "--parallel", "128"]
+    return HttpServer(lambda port: [sys.executable, "-m", "swarmkv_ffi.cli", "serve", "--model", args.model,
+                                    "--port", str(port), "--threads", str(args.threads), *size]
+                      + (["--exact"] if exact else []), "swarmkv serve")
+
+
+def theirs(args, slots: int, cells_per_slot: int, jinja: bool = False) -> Server:
+    return Server(args.server, args.model_path, args.threads,
+                  ["-np", str(slots), "--kv-unified", "-c", str(slots * cells_per_slot)] + (["--jinja"] if jinja else []))
+
+
+def client_of(server, model: str):
+    from openai import OpenAI
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                   temperature=0)
+    return client
+
+
+def ask(client, model: str, messages: list[dict], gen: int):
+    return client.chat.completions.create(model=model, messages=messages, max_tokens=gen, temperature=0)
+
+
+def cached_of(usage) -> int | None:
+    details = getattr(usage, "prompt_tokens_details", None)
+    return getattr(details, "cached_tokens", None) if details is not None else None
