@@ -95,7 +95,7 @@ def served(three_nodes, tmp_path_factory):
     cluster, _ = three_nodes
     log = tmp_path_factory.mktemp("serve-ray") / "serve.log"
     with Serve("--ray", cluster.address, "--replicas", "2", "--threads", "1", "--exact", "--ctx-size", "4096",
-               "--parallel", "8", "--api-key", RAY_KEY, log=log) as server:
+               "--parallel", "8", "--max-requests-per-key", "8", "--api-key", RAY_KEY, log=log) as server:
         yield server, log
 
 
@@ -183,8 +183,8 @@ def test_routes_are_kept_apart_by_key_unless_keys_share_prefixes():
 
 def test_the_ingress_checks_the_key_first_and_counts_its_quota_over_every_replica(served):
     """A wrong key is a 401 before the body is read (here: never sent); a key's choices in
-    flight are counted by the ingress over both replicas (--parallel 8: 8 for the one
-    key), and given back when a stream closes."""
+    flight are counted by the ingress over both replicas (--max-requests-per-key 8),
+    and given back when a stream closes."""
     import socket
 
     import openai

@@ -29,21 +29,44 @@ def peak_rss(server: HttpServer) -> int:
     return 0
 
 
+def steps_of(server) -> dict:
+    """What the server's steps carried, from its /metrics (a server without keys shows all):
+    steps, their seconds, prompt and decode rows."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as reply:
+        text = reply.read().decode()
+    got = {(s.name, s.labels.get("kind", "")): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return {"steps": got.get(("swarmkv_steps_total", ""), 0), "seconds": got.get(("swarmkv_step_seconds_total", ""), 0),
+            "prompt_rows": got.get(("swarmkv_step_rows_total", "prompt"), 0),
+            "decode_rows": got.get(("swarmkv_step_rows_total", "decode"), 0),
+            "preemptions": got.get(("swarmkv_preemptions_total", ""), 0)}
+
+
 def run(server, args, docs: list[str], n: int, questions: list[str]) -> dict:
-    """n agents at once over `docs` (agent i over docs[i % len(docs)])."""
+    """n agents at once over `docs` (agent i over docs[i % len(docs)]); a refused agent is
+    counted in `errors`, not raised."""
     client = client_of(server, args.model)
-    agents = [(i % len(docs), [{"role": "system", "content": docs[i % len(docs)]},
-                               {"role": "user", "content": questions[i % len(questions)]}]) for i in range(n)]
-    ms, replies = at_once([lambda m=m: ask(client, args.model, m, args.gen) for _, m in agents])
-    cached = [cached_of(r.usage) for r in replies]
+
+    def one(i: int):
+        messages = [{"role": "system", "content": docs[i % len(docs)]},
+                    {"role": "user", "content": questions[i % len(questions)]}]
+        try:
+            return ask(client, args.model, messages, args.gen)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"[:200]
+    ms, got = at_once([lambda i=i: one(i) for i in range(n)])
+    answered = [(i, r) for i, r in enumerate(got) if not isinstance(r, str)]
+    cached = [cached_of(r.usage) for _, r in answered]
     prefills = None
     if None not in cached:
-        prefills = [sum(1 for (d, _), c in zip(agents, cached) if d == k and c < args.doc_tokens // 2)
+        prefills = [sum(1 for (i, _), c in zip(answered, cached) if i % len(docs) == k and c < args.doc_tokens // 2)
                     for k in range(len(docs))]
-    return {"total_s": ms / 1e3, "answers": sum(bool(r.choices[0].message.content) for r in replies),
-            "completion_tokens": sum(r.usage.completion_tokens for r in replies),
+    return {"total_s": ms / 1e3, "answers": sum(bool(r.choices[0].message.content) for _, r in answered),
+            "completion_tokens": sum(r.usage.completion_tokens for _, r in answered),
             "cached_tokens": None if None in cached else sum(cached), "prefills_per_document": prefills,
-            "peak_rss_bytes": peak_rss(server)}
+            "errors": [r for r in got if isinstance(r, str)], "peak_rss_bytes": peak_rss(server)}
 
 
 def scale_rows(args, make_doc, questions: list[str]) -> list[dict]:
@@ -55,6 +78,7 @@ def scale_rows(args, make_doc, questions: list[str]) -> list[dict]:
             row = {"scenario": "scale", "documents": docs_n, "agents": n}
             with ours(args, None) as server:
                 row["ours"] = run(server, args, docs, n, questions)
+                row["ours"]["steps"] = steps_of(server)
             if n <= args.scale_server_max:
                 with theirs(args, n, args.doc_tokens + 128 + args.gen) as server:
                     row["server"] = run(server, args, docs, n, questions)

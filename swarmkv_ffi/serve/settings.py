@@ -58,12 +58,12 @@ class Settings:
                              "--idle-connections-per-address at least 1")
 
     def per_key(self, n_keys: int) -> int:
-        """Choices one key may have running or queued: as set, else all of --parallel for
-        a server of one key (or none), half of it where keys share it, so no key can hold
-        every sequence of the pool."""
+        """Choices one key may have running or queued: as set, else all of --max-requests
+        for a server of one key (or none; what does not fit the pool's sequences waits),
+        half of --parallel where keys share it, so no key can hold every sequence."""
         if self.max_requests_per_key is not None:
             return self.max_requests_per_key
-        return self.parallel if n_keys <= 1 else max(1, self.parallel // 2)
+        return self.max_requests if n_keys <= 1 else max(1, min(self.parallel, self.max_requests) // 2)
 
     def keys(self, host: str) -> Keys:
         """The keys to require; none only on a loopback address (unless allowed)."""
@@ -134,8 +134,8 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
     flag("max-requests", type=int, default=d.max_requests,
          help="choices running or queued at once, all keys (default: %(default)s; more get 503)")
     flag("max-requests-per-key", type=int, default=d.max_requests_per_key,
-         help="choices running or queued at once per key (default: --parallel with one key, half of it "
-              "with several; more get 429)")
+         help="choices running or queued at once per key (default: --max-requests with one key, half of "
+              "--parallel with several; more get 429)")
     flag("max-body-bytes", type=int, default=d.max_body_bytes,
          help="largest request body (default: 8 MiB)")
     flag("read-timeout", type=float, default=d.read_timeout, metavar="SECONDS",
