@@ -98,8 +98,9 @@ class _Collector:
         cells = GaugeMetricFamily("swarmkv_kv_cells", "The request pool's KV cells, by state: all of them, "
                                   "free, booked by running requests, booked by kept prefixes (each cell "
                                   "booked once, however many sequences share it)", labels=["state"])
-        for state in ("cells", "cells_free", "cells_running", "cells_kept"):
-            cells.add_metric([state.removeprefix("cells_") if state != "cells" else "total"], stats[state])
+        for state, key in (("total", "cells"), ("free", "cells_free"), ("running", "cells_running"),
+                           ("kept", "cells_kept")):
+            cells.add_metric([state], stats[key])
         yield cells
         seqs = GaugeMetricFamily("swarmkv_sequences", "The pool's sequences in use, by kind", labels=["kind"])
         seqs.add_metric(["running"], stats["running"])
