@@ -90,10 +90,10 @@ def scale_rows(args, make_doc, questions: list[str]) -> list[dict]:
             row["ours_rss_over_smallest"] = row["ours"]["peak_rss_bytes"] / first["ours"]["peak_rss_bytes"]
             rows.append(row)
             o = row["ours"]
-            theirs_s = (f"llama-server {row['server']['total_s']:.1f} s ({row['server_over_ours']:.2f}x ours), "
+            theirs_s = (f"; llama-server {row['server']['total_s']:.1f} s ({row['server_over_ours']:.2f}x ours)"
                         if isinstance(row["server"], dict) else "")
             log(f"     scale: {n} agents over {docs_n} document(s): ours {o['total_s']:.1f} s "
                 f"({row['ours_time_over_smallest']:.2f}x the {first['agents']}), {o['answers']}/{n} answered, "
                 f"peak RSS {o['peak_rss_bytes'] / 2**20:.0f} MiB ({row['ours_rss_over_smallest']:.2f}x), "
-                f"prefills per document {o['prefills_per_document']}; {theirs_s}")
+                f"prefills per document {o['prefills_per_document']}{theirs_s}")
     return rows

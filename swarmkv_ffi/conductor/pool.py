@@ -41,10 +41,10 @@ Cells there are booked once, however many sequences share them (`forks`): a requ
 books its tokens less the prefix it forked, whose cells the sequence it forked from
 books, and RESERVE more, growing by RESERVE as it generates (a request the pool has no
 room to grow gives its cells up: the scheduler's _reserve); a kept sequence books its
-tokens less its fork. When a sequence that others
-forked from goes (evicted, or cancelled), the cells they still use are not freed by
-llama.cpp, so their booking passes to one of them, the heir (`_hand_down`): the sum of
-bookings stays at least the cells in use, and evicting can never overfill the pool.
+tokens less its fork. When a sequence that others forked from goes (evicted, or
+cancelled), the cells they still use are not freed by llama.cpp, so their booking passes
+to one of them, the heir (`_hand_down`): the sum of bookings stays at least the cells in
+use, and evicting can never overfill the pool.
 """
 from __future__ import annotations
 

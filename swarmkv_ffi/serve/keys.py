@@ -51,7 +51,7 @@ class Keys:
         compared in constant time, so the answer's time tells nothing of the keys."""
         if not self._keys:
             return OPEN
-        given = (authorization or "").removeprefix("Bearer ").strip().encode()
+        given = bearer(authorization)
         found = None
         for i, (key, _) in enumerate(self._keys):
             if hmac.compare_digest(given, key.encode()):
@@ -64,3 +64,8 @@ class Keys:
 
     def name(self, owner: int) -> str:
         return "open" if owner == OPEN else self._keys[owner - OWNER_BASE - 1][1]
+
+
+def bearer(authorization: str | None) -> bytes:
+    """The token of an `Authorization: Bearer TOKEN` header (empty without one)."""
+    return (authorization or "").removeprefix("Bearer ").strip().encode()

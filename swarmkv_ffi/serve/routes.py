@@ -21,7 +21,7 @@ from . import structured, templates
 from .calls import Call
 from .engine import ServeEngine
 from .errors import Refused, error_body, error_response, refused, unsupported, validation_message
-from .keys import OPEN, Keys
+from .keys import OPEN, Keys, bearer
 from .metrics import CONTENT_TYPE as METRICS_TYPE
 from .metrics import render as metrics_text
 from .responses import ChatShape, CompletionShape, sse
@@ -80,9 +80,8 @@ async def metrics(request: Request):
     """Prometheus' scrape: the whole server's figures for the metrics key (or on a server
     without keys), a key's own counters for an API key (metrics.py)."""
     s = served(request)
-    given = (request.headers.get("authorization") or "").removeprefix("Bearer ").strip().encode()
     wanted = s.settings.metrics_key
-    if wanted is not None and hmac.compare_digest(given, wanted.encode()):
+    if wanted is not None and hmac.compare_digest(bearer(request.headers.get("authorization")), wanted.encode()):
         owner = None
     else:
         owner = owner_of(request)
