@@ -26,7 +26,7 @@ LAYERS: list[list[str]] = [
     ["fanout", "fanout.*", "distributed"],                              # the fan-out, and on Ray
     ["conductor", "conductor.protocol", "conductor.lines", "conductor.quotas", "conductor.policy",
      "conductor.kept", "conductor.common_prompts", "conductor.ledger", "conductor.memory",
-     "conductor.modelfile", "conductor.registry", "conductor.estimate", "conductor.sandbox",
+     "conductor.modelfile", "conductor.registry", "conductor.estimate", "conductor.sandbox", "conductor.tiers",
      "conductor.client"],                                               # the conductor's parts
     ["conductor.pool"],                                                 # a model's shared context
     ["conductor.scheduler"],                                            # the batched steps

@@ -117,3 +117,28 @@ def test_sixteen_agents_without_max_tokens_start_together(server):
     assert not errors and len(replies) == 16
     after = scrape(server, OPERATOR)
     assert steps_over(after, 8) - steps_over(before, 8) >= 1, "no step carried the 16 agents together"
+
+
+def test_an_evicted_document_comes_back_from_host_ram(tmp_path):
+    """--ctx-size 1536: a request over another 1,000-token text evicts a 600-token
+    document's cells, which go to host RAM; the next question over the document restores
+    them instead of prefilling (its cached_tokens, the host tier's counter) and host RAM
+    stays within --host-cache-mib."""
+    words = APACHE.split()
+    doc, other = " ".join(words[:420]), " ".join(words[420:1200])
+    with Serve("--ctx-size", "1536", "--host-cache-mib", "64", log=tmp_path / "serve.log") as server:
+        client = server.client()
+
+        def ask(text: str, question: str):
+            return client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=[
+                {"role": "system", "content": text}, {"role": "user", "content": question}])
+        first = ask(doc, "Who wrote it?")
+        assert 500 < first.usage.prompt_tokens < 700
+        assert 1000 < ask(other, "Summarise it.").usage.prompt_tokens < 1400
+        again = ask(doc, "What is a Contribution?")
+        figures = scrape(server, None)
+    assert again.usage.prompt_tokens_details.cached_tokens > 500
+    assert figures[("swarmkv_prompt_tokens_cached_total", (("tier", "host"),))] == \
+        again.usage.prompt_tokens_details.cached_tokens
+    used = figures[("swarmkv_host_cache_bytes", (("state", "used"),))]
+    assert 0 < used <= figures[("swarmkv_host_cache_bytes", (("state", "limit"),))] == 64 << 20

@@ -8,6 +8,7 @@ Lowest first (tests/test_layers.py holds the same order):
     quotas.py          what one user may take of a shared daemon
     policy.py          fairness between owners: rows, virtual time, the step cap, reopens
     kept.py            finished requests' cells (the radix cache) and the PrefixStore interface
+    tiers.py           evicted prefixes kept in host RAM (the tier below the cells)
     common_prompts.py  prompt tokens that DECODEs starting together share, decoded once
     ledger.py          admission: bytes reserved per key under one lock, against a budget
     memory.py          device memory, re-read on a timer and at every admission (NVML or host)

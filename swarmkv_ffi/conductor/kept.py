@@ -15,9 +15,10 @@ A kept sequence is matched only by requests of the owner that made it (unless th
 operator allows sharing): a prefix served from cache is faster, and that speed would
 tell one user what another has asked.
 
-`PrefixStore` is the interface a pool calls to keep long shared prefixes somewhere more
-lasting than its cells (serve/persist.py implements it on the prefix cache): the
-conductor owns the interface, so it never imports who implements it.
+`PrefixStore` is the interface a pool calls to keep long prefixes below its cells: those
+it evicts, and those requests share (tiers.py keeps them in host RAM over an optional
+store below; serve/persist.py on disk, in the prefix cache): the conductor owns the
+interface, so it never imports who implements it on disk.
 """
 from __future__ import annotations
 
@@ -50,17 +51,28 @@ def longest_common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class PrefixStore(Protocol):
-    """Long prefixes that requests share, kept outside the pool. Both calls run on the
-    scheduler's thread, between two steps, and must never fail a request: a store that
-    cannot work answers 0 or does nothing."""
+    """Long prefixes kept outside the pool's cells: host RAM (tiers.py), disk (serve's
+    persist.py), or one over the other. Every call runs on the scheduler's thread, between
+    two steps, and must never fail a request: a store that cannot work answers (0, None)
+    or does nothing."""
     min_tokens: int      # prefixes shorter than this are neither stored nor looked up
 
-    def recall(self, owner: int, tokens: list[int], ctx, seq: int, more_than: int) -> int:
-        """Restore into the empty `seq` the longest stored prefix of `tokens` (all but the
-        last) of `owner`'s, if longer than `more_than`; its length, else 0."""
+    def recall(self, owner: int, tokens: list[int], ctx, seq: int, more_than: int, spare: int = 0,
+               prefill_s: float | None = None) -> tuple[int, str | None]:
+        """Restore into the empty `seq` the longest kept prefix of `tokens` (all but the
+        last) of `owner`'s, if longer than `more_than` and cheaper to restore than to
+        prefill at prefill_s seconds a token (None: unmeasured). Returns how many of
+        `tokens` the sequence now holds and the tier it came from ("host", "disk"), or (0,
+        None). It may restore up to `spare` cells more than that: the caller trims them."""
 
     def remember(self, owner: int, tokens: list[int], ctx, seq: int, n: int) -> None:
         """`seq` holds exactly tokens[:n], a prefix another request shared: keep it."""
 
+    def evicted(self, owner: int, tokens: list[int], ctx, seq: int) -> None:
+        """The pool is dropping `seq`, which holds `tokens`: keep it if worth it."""
+
+    def keep(self, owner: int, snapshot, ctx) -> None:
+        """A tier above lets this snapshot (of `ctx`'s layout) go: keep it if worth it."""
+
     def flush(self) -> None:
-        """Wait until what remember() was handed is kept."""
+        """Wait until what was handed over is kept."""

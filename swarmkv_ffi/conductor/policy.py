@@ -95,6 +95,11 @@ class StepCost:
                 return base + per_row * rows
         return rows * self._t / self._r
 
+    def prompt_row_seconds(self) -> float | None:
+        """What a prompt row adds to a step, in seconds (None before any): the price of
+        prefilling a token, against which a tier's restore is weighed (tiers.py)."""
+        return self._extra / self._prompt if self._prompt and self._extra > 0 else None
+
     def rows_in(self, seconds: float, limit: int) -> int:
         """Prompt rows a step of one user may carry to last about `seconds` (all of
         `limit` while nothing is known yet)."""

@@ -124,6 +124,7 @@ class Entry:
     """How an agent came into its seat, for its DECODE reply."""
     restored: bool = False      # its KV (or its document's) was loaded from host RAM
     forked: bool = False        # it shares its document's cells
+    tier: str | None = None     # a request's cached opening came from: "pool", "host", "disk"
     swap_s: float = 0.0
 
 
@@ -155,6 +156,7 @@ class Pool:
         self.last: object | None = None           # the agent stepped last (the one reported evicted)
         self.kept: dict[int, Kept] = {}           # seq -> a finished request's cells, kept as cache
         self.forks: dict[int, tuple[int, int]] = {}   # request seq -> (seq it forked from, tokens)
+        self.prefill_row_s: Callable[[], float | None] = lambda: None   # measured by the scheduler
 
     # ---- opening and closing ------------------------------------------------------------
     def size_for(self, agents: list) -> tuple[int, int]:
@@ -382,21 +384,34 @@ class Pool:
         n, src = self.match(agent)
         wanted = agent.history or agent.asked
         if self.store is not None and n < self.store.min_tokens:
-            got = self.store.recall(agent.owner, wanted, self.ctx, seq, more_than=n)
+            got, tier = self._recall(agent, wanted, seq, n)
             if got:
                 agent.history = agent.history or list(agent.asked[:got])
-                entry.restored = True
+                entry.restored, entry.tier = True, tier
                 return got
         if n:
             self.ctx.seq_cp(src, seq, 0, n)
             self.forks[seq] = (src, n)
             agent.history = agent.history or list(agent.asked[:n])
-            entry.forked = True
+            entry.forked, entry.tier = True, "pool"
             if src in self.kept:
                 self.kept[src].last_used = time.monotonic()
             if self.store is not None:
                 self.store.remember(agent.owner, agent.asked, self.ctx, seq, n)
         return n
+
+    def _recall(self, agent, wanted: list[int], seq: int, n: int) -> tuple[int, str | None]:
+        """Restore the longest opening of `wanted` a tier below holds into `seq` (its cells
+        beyond that opening trimmed): how many tokens it holds and the tier, or (0, None).
+        The restore may take the cells free beyond the request's own booking for the moment."""
+        spare = self.cells_free - self._first_reach(agent)
+        got, tier = self.store.recall(agent.owner, wanted, self.ctx, seq, more_than=n,
+                                      spare=spare, prefill_s=self.prefill_row_s())
+        if got and self.ctx.seq_pos_max(seq) + 1 > got:
+            self._retire(seq, got, agent.owner)
+        if got:
+            self.store.remember(agent.owner, wanted, self.ctx, seq, got)   # an opening used twice
+        return got, tier
 
     def keep(self, agent) -> None:
         """A finished request leaves its seat: its cells stay as a kept sequence (the
@@ -416,10 +431,20 @@ class Pool:
         self.kept[seat.seq] = Kept(agent.owner, tokens, seat.cells - unused)
 
     def evict(self, seq: int) -> None:
+        """Drop a kept sequence; the store below keeps its KV if the cells it frees hold
+        more than the prefix it forked from a sequence that stays (kept.PrefixStore)."""
         kept = self.kept.pop(seq)
+        if self.store is not None and self._frees_prefix(seq, kept):
+            self.store.evicted(kept.owner, kept.tokens, self.ctx, seq)
         self.cells_free += kept.cells - self._hand_down(seq)
         self._retire(seq, 0, kept.owner)
         self.free_seqs.append(seq)
+
+    def _frees_prefix(self, seq: int, kept: Kept) -> bool:
+        """Whether evicting `seq` loses a long run of tokens: those it holds beyond what it
+        forked (its source stays) and what others forked of it (its heir keeps that)."""
+        forked, (_, inherited) = self.forks.get(seq, (None, 0))[1], self._heir(seq)
+        return len(kept.tokens) - forked - inherited >= self.store.min_tokens
 
     # ---- one booking per cell ----------------------------------------------------------------
     def _heir(self, seq: int) -> tuple[int | None, int]:

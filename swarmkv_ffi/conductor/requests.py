@@ -47,7 +47,8 @@ class RequestResult:
     stopped_on_eog: bool
     cancelled: bool = False
     completed: bool = False
-    restored: bool = False      # its cached tokens came from the store (disk), not the pool's cells
+    tier: str | None = None     # where its cached tokens came from: "pool" (forked cells),
+                                # "host" or "disk" (restored; tiers.py, serve/persist.py)
 
 
 class Request:
@@ -67,7 +68,7 @@ class Request:
         if run.error is not None:
             raise run.error
         return RequestResult(list(run.generated), run.cached, run.stopped_on_eog, run.cancelled, run.completed,
-                             run.restored)
+                             run.tier)
 
 
 class RequestPool:

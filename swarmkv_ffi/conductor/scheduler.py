@@ -82,6 +82,7 @@ class Run:
     evicted: object | None = None     # the agent paused to make room for this one
     restored: bool = False
     forked: bool = False
+    tier: str | None = None       # where a request's cached opening came from (pool.Entry.tier)
     stepped: bool = False         # it has been in a step (its prompt is no longer whole)
     slices: int = 0
     slice_tokens: int = 0
@@ -357,7 +358,8 @@ class Scheduler:
     def _pool(self, run: Run) -> Pool:
         key = run.pool_key
         if key not in self.pools:
-            self.pools[key] = self.host.open_pool(key, run.agent.loaded)
+            pool = self.pools[key] = self.host.open_pool(key, run.agent.loaded)
+            pool.prefill_row_s = self._cost(pool).prompt_row_seconds
         return self.pools[key]
 
     def _switch(self, pool: Pool, payers: dict[int, float]) -> None:
@@ -409,6 +411,7 @@ class Scheduler:
                     run.swap_s += entry.swap_s
                     run.restored |= entry.restored
                     run.forked |= entry.forked
+                    run.tier = run.tier if run.began else entry.tier
                 if not run.began:
                     self.host.begin(run)
                     run.evicted = run.evicted or self._switch_evicted

@@ -78,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{'' if keys.required else ' (no API key)'}", file=sys.stderr, flush=True)
     if engine.sized is not None:
         print(f"swarmkv serve: --ctx-size {engine.sized.cells}: {engine.sized.why}", file=sys.stderr, flush=True)
+    tier = engine.host_tier
+    print(f"swarmkv serve: evicted prefixes go to host RAM ({tier.limit >> 20} MiB, --host-cache-mib)"
+          if tier is not None else "swarmkv serve: evicted prefixes are dropped (--host-cache-mib 0)",
+          f"then to {settings.cache_dir}" if settings.cache_dir is not None else "", file=sys.stderr, flush=True)
     try:
         http.run()
     finally:

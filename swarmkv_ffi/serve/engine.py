@@ -7,7 +7,8 @@ weights and every cell in the ledger, once. Each choice of a request is then sub
 to that pool as the request's owner's; the pool forks the longest prefix it already
 holds and decodes the rest with the others in one batch. This module adds what only an
 HTTP server has: a cap on choices in flight per key and in all, a stopping state, and
-the disk store of shared prefixes (persist.py). The routes (routes.py) turn bodies into
+the tiers below the pool's cells (evicted prefixes to host RAM, conductor/tiers.py, and
+on to disk with --cache-dir, persist.py). The routes (routes.py) turn bodies into
 Jobs and results into responses.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..conductor.ledger import Ledger
 from ..conductor.memory import DeviceMemory
 from ..conductor.policy import Policy
 from ..conductor.requests import ContextFull, RequestPool, RequestResult
+from ..conductor.tiers import HostTier
 from ..prefix_cache import PrefixCache
 from .. import catalog
 from . import sizing, templates
@@ -61,7 +63,10 @@ class ServeEngine:
             self.conductor = conductor or Conductor(Ledger(self.memory.budget), n_threads=threads,
                                                     policy=Policy(lone_step_seconds=None))
             cache = PrefixCache.open_optional(settings.cache_dir) if settings.cache_dir is not None else None
-            self.store = PrefixStore(cache, keys.key_of) if cache is not None else None
+            disk = PrefixStore(cache, keys.key_of) if cache is not None else None
+            host_bytes = sizing.host_cache_bytes(settings.host_cache_mib)
+            self.host_tier = HostTier(self.conductor.swap, host_bytes, below=disk) if host_bytes else None
+            self.store = self.host_tier or disk
             self.sized = None if settings.ctx_size is not None else sizing.for_model(
                 catalog.resolve(settings.model), self.conductor.ledger.limit() - self.conductor.ledger.allocated)
             if self.sized is not None:
@@ -183,6 +188,8 @@ class ServeEngine:
             with self._idle:
                 self._idle.wait_for(lambda: not self._running)
             self.pool.close()
+            if self.host_tier is not None:
+                self.host_tier.clear()      # lmxd's swap budget is the daemon's to book again
             return
         self.conductor.shutdown(grace_s)
         self.conductor.close()

@@ -33,6 +33,7 @@ class KeyCounts:
     requests: int = 0            # choices ended (answered, stopped or failed)
     prompt_tokens: int = 0       # once per prompt, as `usage` counts them
     cached_pool: int = 0         # prompt tokens forked from the pool's cells
+    cached_host: int = 0         # prompt tokens restored from host RAM (evicted prefixes)
     cached_disk: int = 0         # prompt tokens restored from the --cache-dir store
     prefills_avoided: int = 0    # prompts that forked or restored a cached prefix
     generated: int = 0
@@ -58,10 +59,8 @@ class Tally:
                 c.prompt_tokens += prompt_tokens
                 if result.cached:
                     c.prefills_avoided += 1
-                    if result.restored:
-                        c.cached_disk += result.cached
-                    else:
-                        c.cached_pool += result.cached
+                    tier = f"cached_{result.tier or 'pool'}"
+                    setattr(c, tier, getattr(c, tier) + result.cached)
 
     def counts(self, owner: int | None) -> KeyCounts:
         """One owner's counters, or (None) every owner's summed."""
@@ -82,9 +81,11 @@ class _Collector:
         yield _counter("requests", "Choices of requests that ended (answered, stopped or failed)", c.requests)
         yield _counter("prompt_tokens", "Prompt tokens of requests, once per prompt", c.prompt_tokens)
         cached = CounterMetricFamily("swarmkv_prompt_tokens_cached", "Prompt tokens taken from cache instead "
-                                     "of prefilled, by tier: the pool's cells, or the --cache-dir store",
+                                     "of prefilled, by tier: the pool's cells, host RAM (evicted prefixes), "
+                                     "or the --cache-dir store",
                                      labels=["tier"])
         cached.add_metric(["pool"], c.cached_pool)
+        cached.add_metric(["host"], c.cached_host)
         cached.add_metric(["disk"], c.cached_disk)
         yield cached
         yield _counter("prefills_avoided", "Prompts that started from a cached prefix", c.prefills_avoided)
@@ -106,9 +107,24 @@ class _Collector:
         seqs.add_metric(["running"], stats["running"])
         seqs.add_metric(["kept"], stats["kept"])
         yield seqs
+        yield from _host_tier(engine.host_tier)
         tally = stats["steps"]
         if tally is not None:
             yield from _steps(tally)
+
+
+def _host_tier(tier):
+    """The host-RAM tier's bytes against its limit (conductor/tiers.py), if there is one."""
+    if tier is None:
+        return
+    held = GaugeMetricFamily("swarmkv_host_cache_bytes", "Host RAM holding evicted prefixes' KV, and "
+                             "its limit (--host-cache-mib)", labels=["state"])
+    held.add_metric(["used"], tier.nbytes)
+    held.add_metric(["limit"], tier.limit)
+    yield held
+    yield _gauge("host_cache_entries", "Evicted prefixes held in host RAM", len(tier.entries))
+    yield _counter("host_cache_demoted", "Prefixes that left host RAM for room (to --cache-dir, "
+                   "or dropped without one)", tier.demoted)
 
 
 def _steps(tally):

@@ -1,15 +1,16 @@
 """Shared prefixes on disk: a restarted server answers a known document without prefilling it.
 
-The conductor's kept.PrefixStore, on the prefix cache (prefix_cache.py).
-
-When a request forks a prefix of RECALL_MIN tokens or more from another request's cells,
-that prefix is one that requests share (a document, a system prompt, a conversation's
-opening): its KV state is captured (the request's sequence holds exactly it at that
-moment) and written to the prefix cache (prefix_cache.py) by a thread of its own, keyed
-by the model, the pool's KV layout, the tokens and the owner's API key (a name derived
-from it, `_signature`). A request whose pool
-holds less than RECALL_MIN tokens of its prompt looks for the longest stored prefix of
-it, of its own owner, and restores it instead of decoding it.
+The conductor's kept.PrefixStore, on the prefix cache (prefix_cache.py). Two kinds of
+prefix come here, each captured on the scheduler's thread and written by a thread of its
+own, keyed by the model, the pool's KV layout, the tokens and the owner's API key (a name
+derived from it, `_signature`):
+- a prefix the pool evicts, or that its host-RAM tier lets go (conductor/tiers.py), which
+  would otherwise be prefilled again;
+- a prefix of RECALL_MIN tokens or more that a request forks from another request's
+  cells: one that requests share (a document, a system prompt, a conversation's opening).
+A request whose pool holds less than RECALL_MIN tokens of its prompt looks for the longest
+stored prefix of it, of its own owner, and restores it instead of decoding it, as long as
+the disk has proved cheaper per token than prefilling (`Costs`).
 
 A store that fails (a full disk, a read-only folder) logs one line and the server goes
 on; a corrupt entry is dropped by the cache with a notice. Nothing here can fail a request.
@@ -19,9 +20,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Callable
 
 from ..errors import SwarmKVError, describe
+from ..conductor.tiers import Costs
 from ..prefix_cache import PrefixCache
 from ..snapshot import Snapshot, context_signature, tokens_hash
 
@@ -41,6 +44,7 @@ class PrefixStore:
         self._key_of = key_of        # owner -> its API key (None: no keys)
         self._stored: set[tuple[int, str]] = set()          # (owner, tokens hash) written or queued
         self._queue: queue.Queue = queue.Queue(maxsize=4)
+        self.costs = Costs()                                 # seconds a token, lookup and restore
         self._thread = threading.Thread(target=self._write, name="serve-prefix-store", daemon=True)
         self._thread.start()
 
@@ -56,32 +60,47 @@ class PrefixStore:
         """`seq` holds exactly tokens[:n], a prefix another request shared: store it once
         (on the scheduler's thread only the capture; the write is the writer's)."""
         tokens = tokens[:n]
-        ident = (owner, tokens_hash(tokens))
-        if n < RECALL_MIN or ident in self._stored or self._queue.full():
+        if n < RECALL_MIN or (owner, tokens_hash(tokens)) in self._stored or self._queue.full():
             return
-        self._stored.add(ident)
         try:
             snap = Snapshot.capture(ctx, seq, tokens)
         except SwarmKVError as exc:
             log.warning("prefix store: capture of %d tokens failed (%s); answers are unaffected", n, describe(exc))
             return
-        self._queue.put((snap, self._signature(ctx, owner)))
+        self.keep(owner, snap, ctx)
 
-    def recall(self, owner: int, tokens: list[int], ctx, seq: int, more_than: int) -> int:
+    def evicted(self, owner: int, tokens: list[int], ctx, seq: int) -> None:
+        """The pool drops `seq` (no host tier above this store): store what it held."""
+        self.remember(owner, tokens, ctx, seq, len(tokens))
+
+    def keep(self, owner: int, snapshot: Snapshot, ctx) -> None:
+        """Queue `snapshot` for the disk, once per owner and tokens (dropped if the writer
+        is four behind: the disk is a cache, never a wait)."""
+        ident = (owner, snapshot.header.tokens_hash)
+        if snapshot.header.n_tokens < RECALL_MIN or ident in self._stored or self._queue.full():
+            return
+        self._stored.add(ident)
+        self._queue.put((snapshot, self._signature(ctx, owner)))
+
+    def recall(self, owner: int, tokens: list[int], ctx, seq: int, more_than: int, spare: int = 0,
+               prefill_s: float | None = None) -> tuple[int, str | None]:
         """Restore into the empty `seq` the longest stored prefix of `tokens` (all but the
-        last) of `owner`'s, if longer than `more_than`; its length, else 0."""
-        if len(tokens) <= RECALL_MIN:
-            return 0
+        last) of `owner`'s, if longer than `more_than` and the disk has been cheaper than
+        prefilling (a lookup reads the file: the choice is made by rates, before it)."""
+        if len(tokens) <= RECALL_MIN or not self.costs.cheaper(1, 1, prefill_s):
+            return 0, None
+        t0 = time.perf_counter()
         try:
             snap = self.cache.lookup(ctx.model.fingerprint, self._signature(ctx, owner), tokens[:-1])
             if snap is None or snap.header.n_tokens <= more_than:
-                return 0
+                return 0, None
             snap.restore(ctx, seq)
         except (SwarmKVError, OSError) as exc:
             log.warning("prefix store: lookup failed (%s); decoding the prompt instead", describe(exc))
-            return 0
+            return 0, None
+        self.costs.observe(snap.header.n_tokens, time.perf_counter() - t0)
         self._stored.add((owner, tokens_hash(tokens[:snap.header.n_tokens])))
-        return snap.header.n_tokens
+        return snap.header.n_tokens, "disk"
 
     def _write(self) -> None:
         while True:

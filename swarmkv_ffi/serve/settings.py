@@ -28,6 +28,7 @@ class Settings:
     exact: bool = False
     share_prefixes: bool = False
     cache_dir: Path | None = None
+    host_cache_mib: int | None = None        # host RAM for evicted prefixes (None: sizing.py chooses)
     api_key: str | None = None
     api_key_file: Path | None = None
     allow_remote_without_key: bool = False
@@ -51,6 +52,8 @@ class Settings:
             raise ValueError(f"--parallel must be in 2..{MAX_SEQS - 1}, got {self.parallel}")
         if self.default_max_tokens < 1 or self.max_requests < 1 or (self.max_requests_per_key or 1) < 1:
             raise ValueError("--default-max-tokens, --max-requests and --max-requests-per-key must be >= 1")
+        if self.host_cache_mib is not None and not 0 <= self.host_cache_mib <= 1 << 24:
+            raise ValueError(f"--host-cache-mib must be in 0..{1 << 24} (0: off), got {self.host_cache_mib}")
         if self.max_body_bytes < 1024:
             raise ValueError("--max-body-bytes must be at least 1024")
         if not 0 < self.read_timeout <= 3600 or self.idle_connections_per_address < 1:
@@ -126,6 +129,11 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
          help="keep prefixes that requests share (256 tokens or more) in this prefix-cache folder, so "
               "a restarted server restores them instead of prefilling (default: off; each key's "
               "prefixes apart; a full or read-only folder only logs a warning)")
+    flag("host-cache-mib", type=int, default=d.host_cache_mib, metavar="MIB",
+         help="host RAM for the KV of cached prefixes the pool evicts for room: a later request "
+              "over the same document restores it instead of prefilling, when restoring has "
+              "measured cheaper; when full, the oldest go on to --cache-dir if set (default: an "
+              "eighth of this machine's RAM, at most 4096; 0: off)")
     flag("share-prefixes", action="store_true",
          help="let every key reuse every key's cached prefixes (off: a cached prefix's speed would "
               "tell one key what another asked)")
