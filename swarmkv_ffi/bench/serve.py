@@ -20,6 +20,8 @@ warm-up request:
                 (serve_keys.py says how)
     scale       N agents at once (16..256) over one document and over four, ours on its
                 defaults against llama-server -np N (serve_scale.py says how)
+    tiers       an evicted document back from host RAM or disk against prefilling it
+                again, ours alone (serve_tiers.py)
 
 Reported: wall seconds per side, llama-server's / ours, tokens, prompt tokens served from
 cache (usage.prompt_tokens_details.cached_tokens, where a side reports it), and how many
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", type=Path, default=None,
                     help="llama-server binary (default: the stock one from ./build_llama.sh --tools)")
     ap.add_argument("--scenarios", default="at_once,one_by_one,turns,exact,overhead,structured",
-                    help="which to run, of those and keys, scale (default: all but keys and scale)")
+                    help="which to run, of those and keys, scale, tiers (default: all but keys, scale, tiers)")
     ap.add_argument("--attacks", default="idle,flood,big,body",
                     help="the keys scenario's attacks, of idle, flood, big, body (default: all)")
     ap.add_argument("--keys-rows", default="together,attacks,oracle",
@@ -265,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="folder for serve.json")
     args = ap.parse_args(argv)
     wanted = args.scenarios.split(",")
-    unknown = set(wanted) - {"at_once", "one_by_one", "turns", "exact", "overhead", "structured", "keys", "scale"}
+    unknown = set(wanted) - {"at_once", "one_by_one", "turns", "exact", "overhead", "structured", "keys", "scale",
+                             "tiers"}
     if unknown:
         ap.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
     from .serve_keys import ATTACKS
@@ -303,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     if "scale" in wanted:
         from .serve_scale import scale_rows
         rows += scale_rows(args, lambda name: f"Document {name}.\n" + keyed_body, QUESTIONS)
+    if "tiers" in wanted:
+        from .serve_tiers import tier_rows
+        rows += tier_rows(args, lambda name: f"Document {name}.\n" + keyed_body, QUESTIONS)
     report = {"benchmark": "serve", "model": args.model,
               "server_flags": f"-np SLOTS --kv-unified -c SLOTS*cells -t {args.threads} (its defaults otherwise)",
               "rows": rows}

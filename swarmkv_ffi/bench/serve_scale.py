@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .measure import at_once
 from .peer import HttpServer, log
-from .servers import ask, cached_of, client_of, ours, theirs
+from .servers import ask, cached_of, client_of, metrics_of, ours, theirs
 
 
 def peak_rss(server: HttpServer) -> int:
@@ -30,14 +30,9 @@ def peak_rss(server: HttpServer) -> int:
 
 
 def steps_of(server) -> dict:
-    """What the server's steps carried, from its /metrics (a server without keys shows all):
-    steps, their seconds, prompt and decode rows."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as reply:
-        text = reply.read().decode()
-    got = {(s.name, s.labels.get("kind", "")): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    """What the server's steps carried, from its /metrics: steps, their seconds, prompt and
+    decode rows, preemptions."""
+    got = metrics_of(server)
     return {"steps": got.get(("swarmkv_steps_total", ""), 0), "seconds": got.get(("swarmkv_step_seconds_total", ""), 0),
             "prompt_rows": got.get(("swarmkv_step_rows_total", "prompt"), 0),
             "decode_rows": got.get(("swarmkv_step_rows_total", "decode"), 0),

@@ -7,13 +7,25 @@ import sys
 from .peer import HttpServer, Server
 
 
-def ours(args, cells: int | None, exact: bool = False) -> HttpServer:
+def ours(args, cells: int | None, exact: bool = False, extra: tuple[str, ...] = ()) -> HttpServer:
     """`swarmkv serve` on a free loopback port: a pool of `cells` (at least the 512 it
-    takes) and 128 sequences, or (None) its own defaults for both."""
+    takes) and 128 sequences, or (None) its own defaults for both; `extra` flags after."""
     size = [] if cells is None else ["--ctx-size", str(max(512, cells)), "--parallel", "128"]
     return HttpServer(lambda port: [sys.executable, "-m", "swarmkv_ffi.cli", "serve", "--model", args.model,
                                     "--port", str(port), "--threads", str(args.threads), *size]
-                      + (["--exact"] if exact else []), "swarmkv serve")
+                      + (["--exact"] if exact else []) + list(extra), "swarmkv serve")
+
+
+def metrics_of(server) -> dict:
+    """One scrape of our server's /metrics (a server without keys shows all):
+    {(name, label value or ""): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as reply:
+        text = reply.read().decode()
+    return {(s.name, next(iter(s.labels.values()), "")): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def theirs(args, slots: int, cells_per_slot: int, jinja: bool = False) -> Server:
