@@ -71,18 +71,16 @@ class Costs:
 
 class HostTier:
     """kept.PrefixStore in host RAM, of at most `limit_bytes`, booked in `ledger`, over the
-    store `below` (or none). Runs on the scheduler's thread only."""
+    store `below` (or none). Runs on the scheduler's thread; `nbytes`, `len(entries)` and
+    `demoted` may be read from others (/metrics)."""
     min_tokens = MIN_TOKENS
 
     def __init__(self, ledger: Ledger, limit_bytes: int, below: PrefixStore | None = None):
         self.ledger, self.limit, self.below = ledger, limit_bytes, below
         self.entries: dict[str, HostEntry] = {}
+        self.nbytes = 0            # what the entries hold (and the ledger books)
         self.costs = Costs()
         self.demoted = 0           # entries sent down to `below` (or dropped) for room
-
-    @property
-    def nbytes(self) -> int:
-        return sum(e.snap.nbytes for e in self.entries.values())
 
     # ---- kept.PrefixStore ------------------------------------------------------------------
     def remember(self, owner: int, tokens: list[int], ctx, seq: int, n: int) -> None:
@@ -166,6 +164,7 @@ class HostTier:
                     return False            # the swap budget is others' now
                 self._down(self._victim(), ctx)
         self.entries[entry.key] = entry
+        self.nbytes += size
         return True
 
     def _victim(self) -> HostEntry:
@@ -186,4 +185,5 @@ class HostTier:
 
     def _drop(self, entry: HostEntry) -> None:
         del self.entries[entry.key]
+        self.nbytes -= entry.snap.nbytes
         self.ledger.release(entry.key)
