@@ -134,10 +134,12 @@ def test_a_control_token_written_in_a_message_stays_text(server, smol):
 def test_a_large_request_of_one_key_cannot_evict_the_other_keys_document(tmp_path):
     """Key A's document is cached; key B asks for more cells than are free beside it: B is
     refused at once with the numbers (it used to evict A's document and A prefilled it
-    again), a request of B's that fits runs, and A's document is still forked."""
+    again), a request of B's that fits runs, and A's document is still forked. (No host
+    tier: an evicted document would come back from it, and the test would not see the
+    eviction.)"""
     doc = "Document A.\n" + APACHE[:2400]
     with Serve("--ctx-size", "4096", "--parallel", "8", "--api-key-file", str(two_keys(tmp_path)),
-               log=tmp_path / "serve.log") as server:
+               "--host-cache-mib", "0", log=tmp_path / "serve.log") as server:
         a, b = server.client(KEY_A), server.client(KEY_B)
         ask(a, chat(doc, "Who may use the work?"))
         assert cached(ask(a, chat(doc, "Is there a warranty?"))) > 400
@@ -150,9 +152,10 @@ def test_a_large_request_of_one_key_cannot_evict_the_other_keys_document(tmp_pat
 def test_making_room_never_evicts_the_prefix_the_request_forks(tmp_path):
     """Two documents of one key cached in a pool of two sequences, the older one asked
     about again: a sequence must be freed, the newer goes and the older is forked (least
-    recently used first evicted the very prefix the request was about to fork)."""
+    recently used first evicted the very prefix the request was about to fork). No host
+    tier, which would bring the evicted one back."""
     older, newer = "Document one.\n" + APACHE[:2400], "Document two.\n" + APACHE[2400:4800]
-    with Serve("--ctx-size", "4096", "--parallel", "2", log=tmp_path / "serve.log") as server:
+    with Serve("--ctx-size", "4096", "--parallel", "2", "--host-cache-mib", "0", log=tmp_path / "serve.log") as server:
         client = server.client()
         ask(client, chat(older, "Who may use the work?"))
         ask(client, chat(newer, "Who may use the work?"))

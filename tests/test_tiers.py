@@ -2,7 +2,7 @@
 prefix the pool evicts for room goes to host RAM, booked in the swap ledger; when host
 RAM is full the oldest goes on to disk; a later request over the same opening restores it
 from the nearest tier instead of prefilling, and answers exactly as if it had prefilled;
-a tier measured slower than prefilling is not used."""
+a tier measured slower than prefilling is not used; one owner never restores another's."""
 from __future__ import annotations
 
 import pytest
@@ -65,6 +65,8 @@ def test_an_evicted_prefix_comes_back_from_host_ram_bit_for_bit(conductor):
     result, tokens = ask(pool, doc + question)
     assert result.tier == "host" and result.cached >= len(doc)
     assert tokens == reference[1]
+    other_key = pool.submit(A + 1, doc + question, 4).result()
+    assert other_key.tier is None and other_key.cached == 0     # A's entry is A's alone
     pool.close()
     tier.clear()
     assert conductor.swap.allocated == 0

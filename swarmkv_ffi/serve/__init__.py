@@ -6,12 +6,12 @@ Lowest first (tests/test_layers.py holds the same order):
     keys.py       API keys and the owners they stand for
     text.py       tokens to text as they come, stop strings
     routing.py    the Ray Serve router, by prefix
-    persist.py    shared prefixes on disk: the conductor's PrefixStore on the prefix cache
+    persist.py    prefixes on disk (evicted, or shared): the conductor's PrefixStore on the prefix cache
     templates.py  a chat through the model's own Jinja template (jinja2's sandbox), tool turns;
                   control tokens only from the template's own text
     guard.py      uvicorn's protocol with a deadline for a request's headers, an idle cap per address
     metrics.py    /metrics in Prometheus' format (prometheus-client): the operator's view, a key's own
-    sizing.py     the pool's default --ctx-size, from the model and the memory budget
+    sizing.py     the pool's default --ctx-size (model, memory budget) and the host tier's --host-cache-mib
     errors.py     every failure as OpenAI's error JSON (Refused), for the app and on_ray
     settings.py   the server's settings and their flags, written once for every front
     structured.py response_format, tools and grammar: the grammar a request's output follows,
