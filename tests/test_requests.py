@@ -136,8 +136,10 @@ def test_cells_forked_from_an_evicted_prefix_stay_booked(conductor):
 def test_requests_book_as_they_grow_and_one_gives_way_when_the_pool_is_full(conductor):
     """Two requests of 600 tokens each in 1,024 cells: each books its prompt and a little
     more, so both start at once (booked whole, the second would wait for the first); when
-    the pool runs out, the one that comes last gives its cells up and re-reads its tokens
-    once it can book all it may need. Both answer in full; none fails; nothing leaks."""
+    the pool runs out, the one that comes last gives its cells up, its KV copied to host
+    RAM (it forked nothing, and a copy is tried while unmeasured), and comes back once it
+    can book all it may need. Both answer in full; none fails; nothing leaks, in the pool
+    or in the swap ledger."""
     pool = RequestPool(conductor, MODEL, cells=1024, seqs=6)
     doc = tokens_of(pool, DOC * 5)
     prompts = [doc[:100], doc[200:300]]
@@ -157,6 +159,23 @@ def test_requests_book_as_they_grow_and_one_gives_way_when_the_pool_is_full(cond
     results = [r.result() for r in requests]
     assert [len(r.generated) for r in results] == [600, 600]
     assert [kind for kind, _ in events][:2] == ["first", "first"], events
-    assert pool.stats()["steps"].preemptions >= 1
+    steps = pool.stats()["steps"]
+    assert steps.preemptions >= 1 and steps.swapped >= 1
+    assert booked(pool) == 1024 and conductor.swap.allocated == 0
+    pool.close()
+
+
+def test_a_request_that_forked_a_document_re_reads_rather_than_swaps(conductor):
+    """Two requests forking a kept 300-token prefix grow past 1,024 cells: the one that
+    gives way is not copied to host RAM (it forks the prefix again on its return; a copy
+    would hold those cells twice); it re-reads its own tokens, and both answer in full."""
+    pool = RequestPool(conductor, MODEL, cells=1024, seqs=6)
+    doc = tokens_of(pool, DOC * 5)
+    pool.submit(A, doc[:310], 8, sampling=no_end(pool)).result()
+    running = [pool.submit(A, doc[:300] + doc[k:k + 10], 400, sampling=no_end(pool)) for k in (400, 500)]
+    results = [r.result() for r in running]
+    assert [len(r.generated) for r in results] == [400, 400] and all(r.cached == 300 for r in results)
+    steps = pool.stats()["steps"]
+    assert steps.preemptions >= 1 and steps.swapped == 0
     assert booked(pool) == 1024
     pool.close()

@@ -22,6 +22,8 @@ warm-up request:
                 defaults against llama-server -np N (serve_scale.py says how)
     tiers       an evicted document back from host RAM or disk against prefilling it
                 again, ours alone (serve_tiers.py)
+    preempt     a request preempted for room: its KV to host RAM and back, or re-read,
+                in process, ours alone (serve_preempt.py)
 
 Reported: wall seconds per side, llama-server's / ours, tokens, prompt tokens served from
 cache (usage.prompt_tokens_details.cached_tokens, where a side reports it), and how many
@@ -255,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", type=Path, default=None,
                     help="llama-server binary (default: the stock one from ./build_llama.sh --tools)")
     ap.add_argument("--scenarios", default="at_once,one_by_one,turns,exact,overhead,structured",
-                    help="which to run, of those and keys, scale, tiers (default: all but keys, scale, tiers)")
+                    help="which to run, of those and keys, scale, tiers, preempt (default: all but those four)")
     ap.add_argument("--attacks", default="idle,flood,big,body",
                     help="the keys scenario's attacks, of idle, flood, big, body (default: all)")
     ap.add_argument("--keys-rows", default="together,attacks,oracle",
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     wanted = args.scenarios.split(",")
     unknown = set(wanted) - {"at_once", "one_by_one", "turns", "exact", "overhead", "structured", "keys", "scale",
-                             "tiers"}
+                             "tiers", "preempt"}
     if unknown:
         ap.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
     from .serve_keys import ATTACKS
@@ -309,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     if "tiers" in wanted:
         from .serve_tiers import tier_rows
         rows += tier_rows(args, lambda name: f"Document {name}.\n" + keyed_body, QUESTIONS)
+    if "preempt" in wanted:
+        from .serve_preempt import preempt_rows
+        rows += preempt_rows(args, doc)
     report = {"benchmark": "serve", "model": args.model,
               "server_flags": f"-np SLOTS --kv-unified -c SLOTS*cells -t {args.threads} (its defaults otherwise)",
               "rows": rows}

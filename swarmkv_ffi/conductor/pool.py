@@ -456,6 +456,11 @@ class Pool:
         n, heir = max(forked)
         return heir, max(0, n - self.forks.get(seq, (None, 0))[1])
 
+    def shared(self, seq: int) -> int:
+        """The longest opening of `seq` that another sequence holds too: one it forked, or
+        one others forked from it."""
+        return max([n for d, (src, n) in self.forks.items() if d == seq or src == seq], default=0)
+
     def _hand_down(self, seq: int) -> int:
         """`seq` is going: the cells that sequences forked from it still hold are booked to
         its heir from now on (the others now fork from the heir, which holds all they

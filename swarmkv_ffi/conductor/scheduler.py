@@ -44,6 +44,7 @@ from ..sampler import Sampler, logprobs
 from .common_prompts import PromptTrie
 from .policy import SLICE_SECONDS, Policy, StepCost
 from .pool import Kind, NoRoom, Pool, PoolKey, pool_key
+from .tiers import MIN_TOKENS, Costs
 
 log = logging.getLogger("lmxd")
 
@@ -121,6 +122,7 @@ class StepTally:
     seconds: float = 0.0
     by_decode_rows: dict[int, int] = field(default_factory=dict)
     preemptions: int = 0         # requests that gave their cells up for others to grow
+    swapped: int = 0             # of those, how many kept their KV in host RAM (not re-read)
 
     def step(self, decode_rows: int, prompt_rows: int, seconds: float) -> None:
         self.steps += 1
@@ -139,6 +141,8 @@ class Scheduler:
         self.policy = policy or Policy()
         self._costs: dict[PoolKey, StepCost] = {}   # per pool key: its steps' fitted cost
         self.tally: dict[PoolKey, StepTally] = {}    # per pool key: its steps, counted for /metrics
+        self._swap_costs: dict[PoolKey, Costs] = {}  # per pool key: a preempted request's KV to host and back
+        self.preempt_by = "cost"     # or "swap" / "recompute" always (bench serve --scenarios preempt)
         self._cv = threading.Condition()
         self._waiting: list[Run] = []
         self._batch: list[Run] = []
@@ -408,6 +412,8 @@ class Scheduler:
             try:
                 if pool.seat_of(run.agent) is None:
                     entry = pool.seat(run.agent)
+                    if entry.restored and entry.tier is None and run.agent.kind is Kind.REQUEST:
+                        self._swap_cost(pool).observe(len(run.agent.history), entry.swap_s)   # back from a swap
                     run.swap_s += entry.swap_s
                     run.restored |= entry.restored
                     run.forked |= entry.forked
@@ -523,11 +529,39 @@ class Scheduler:
                     break
 
     def _preempt(self, pool: Pool, run: Run) -> None:
-        """Free the run's cells (what others forked of them stays) and put it back to wait."""
+        """Free the run's cells (what others forked of them stays) and put it back to wait,
+        its KV copied to host RAM when that is cheaper than re-reading it (_swap_pays)."""
+        swap = self._swap_pays(pool, run)
         run.agent.preempted = True
-        pool.unseat(run.agent, pause=False)
+        t0 = time.perf_counter()
+        pool.unseat(run.agent, pause=swap)
+        tally = self.tally.setdefault(pool.key, StepTally())
+        tally.preemptions += 1
+        if run.agent.saved is not None:
+            self._swap_cost(pool).observe(len(run.agent.history), time.perf_counter() - t0)
+            tally.swapped += 1
         self._to_waiting(run)
-        self.tally.setdefault(pool.key, StepTally()).preemptions += 1
+
+    def _swap_pays(self, pool: Pool, run: Run) -> bool:
+        """Whether a preempted request should keep its KV in host RAM (the swap ledger's,
+        as a paused conversation does) rather than re-read its tokens when it comes back:
+        when copying them out and back (measured: the pool's swaps so far; tried while
+        unmeasured) costs less than prefilling what it would re-read (measured: the pool's
+        prompt rows). Never for a request that shares a long prefix with another sequence:
+        it forks it again on its return, and a restored copy would hold those cells twice."""
+        seat = pool.seat_of(run.agent)
+        tokens, shared = seat.kv_len, pool.shared(seat.seq)
+        if tokens != len(run.agent.history) or self.preempt_by == "recompute":
+            return False
+        if self.preempt_by == "swap":
+            return True
+        if shared >= MIN_TOKENS:
+            return False
+        prefill, swap = self._cost(pool).prompt_row_seconds(), self._swap_cost(pool).per_token()
+        return prefill is not None and (swap is None or 2 * swap * tokens < prefill * (tokens - shared))
+
+    def _swap_cost(self, pool: Pool) -> Costs:
+        return self._swap_costs.setdefault(pool.key, Costs())
 
     # ---- one step ---------------------------------------------------------------------------
     def _step(self) -> None:

@@ -47,9 +47,10 @@ class HostEntry:
 
 
 class Costs:
-    """Seconds per token of restoring from a tier, learnt from its own restores (each
-    older one weighs FORGET times less). Before the first, restoring is assumed cheaper
-    than prefilling: it is a copy, and its first use measures it."""
+    """Seconds per token of copying KV between the pool and host RAM or disk (a tier's
+    restores, a preempted request's swap), learnt from its own copies (each older one
+    weighs FORGET times less). Before the first, copying is assumed cheaper than
+    prefilling: its first use measures it."""
     FORGET = 0.8
 
     def __init__(self):

@@ -131,7 +131,9 @@ def _steps(tally):
     yield _counter("steps", "Batched decode steps of the pool", tally.steps)
     yield _counter("step_seconds", "Seconds spent in those steps", tally.seconds)
     yield _counter("preemptions", "Running requests that gave their cells up for others to grow "
-                   "(they re-read their tokens later)", tally.preemptions)
+                   "(their KV went to host RAM, or they re-read their tokens later)", tally.preemptions)
+    yield _counter("preemptions_swapped", "Of those, the ones whose KV went to host RAM (cheaper, as "
+                   "measured, than re-reading it)", tally.swapped)
     rows = CounterMetricFamily("swarmkv_step_rows", "Batch rows the steps carried, by kind", labels=["kind"])
     rows.add_metric(["decode"], tally.decode_rows)
     rows.add_metric(["prompt"], tally.prompt_rows)
