@@ -113,3 +113,35 @@ def test_a_tier_measured_slower_than_prefilling_is_not_used(conductor):
     assert result.tier is None and result.cached == 0 and len(tokens) == 8
     pool.close()
     tier.clear()
+
+
+def test_a_full_host_tier_lets_go_of_the_heaviest_owners_oldest_entry(smol):
+    """Room for three 300-token entries: owner 1 keeps one, owner 2 adds two; owner 2's
+    third makes room from owner 2's own oldest, never from owner 1's older one (one key's
+    evictions cannot flush another's cache). The ledger books what the entries hold, and
+    clear() frees it."""
+    from swarmkv_ffi import Context
+    swap = Ledger(lambda: 1 << 30, name="SWAP")
+    texts = [f"Entry {i}. " + LICENCE[i * 1500:] for i in range(4)]
+    with Context(smol, n_ctx=1024, flash_attn="on") as ctx:
+        def entry(owner: int, text: str) -> list[int]:
+            tokens = [int(t) for t in smol.tokenize(text, add_special=True)][:300]
+            ctx.decode_tokens(tokens, 0, 0, logits_last=False)
+            return tokens
+        first = entry(1, texts[0])
+        size = ctx.seq_state_size(0)
+        tier = HostTier(swap, int(size * 3.5))
+        tier.evicted(1, first, ctx, 0)
+        ctx.seq_rm(0)
+        mine = []
+        for text in texts[1:3]:
+            mine.append(entry(2, text))
+            tier.evicted(2, mine[-1], ctx, 0)
+            ctx.seq_rm(0)
+        extra = entry(2, texts[3])
+        tier.evicted(2, extra, ctx, 0)
+        held = sorted((e.owner, e.tokens[:3]) for e in tier.entries.values())
+    assert held == sorted([(1, first[:3])] + [(2, t[:3]) for t in mine[1:] + [extra]])
+    assert tier.demoted == 1 and swap.allocated == tier.nbytes <= tier.limit
+    tier.clear()
+    assert swap.allocated == 0 and not tier.entries
