@@ -179,3 +179,18 @@ def test_a_request_that_forked_a_document_re_reads_rather_than_swaps(conductor):
     assert steps.preemptions >= 1 and steps.swapped == 0
     assert booked(pool) == 1024
     pool.close()
+
+
+def test_requests_and_a_conversation_of_one_model_take_turns_without_rebuilding(conductor):
+    """A conversation agent (lmxd's pool of the model) DECODEs between two requests over
+    one document: the request pool stays open while the other pool is live (it was
+    closed, and its kept cells lost, at every switch), so the second request forks the
+    document, and the pool's context was made once."""
+    pool = RequestPool(conductor, MODEL, cells=2048, seqs=4)
+    doc = tokens_of(pool, DOC * 3)[:600]
+    conductor.register("talker", MODEL, n_ctx=512)
+    assert pool.submit(A, doc + [11], 4).result().cached == 0
+    assert conductor.decode("talker", 4, "Hello there").text is not None
+    assert pool.submit(A, doc + [12], 4).result().cached == 600
+    assert pool.stats()["opens"] == 1
+    pool.close()

@@ -485,8 +485,8 @@ class Conductor:
         request leaves its cells in the pool as cache (kept.py)."""
         if run.agent.kind is not Kind.REQUEST:
             return
-        pool = self.scheduler.live
-        if pool is not None and pool.is_open and pool.key == run.pool_key:
+        pool = self.scheduler.pools.get(run.pool_key)
+        if pool is not None and pool.is_open:
             pool.keep(run.agent)
         self._drop_saved(run.agent)
 

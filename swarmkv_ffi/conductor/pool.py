@@ -153,6 +153,7 @@ class Pool:
         self.tomb_by: dict[int, int] = {}         # uid -> cells it left in the tomb
         self.rebuild_by: dict[int, float] = {}    # who pays the next rebuild (uid -> weight)
         self.rebuilds = 0                         # times it was reopened while open (STATUS)
+        self.opens = 0                            # times its context was made (STATUS, /metrics)
         self.last: object | None = None           # the agent stepped last (the one reported evicted)
         self.kept: dict[int, Kept] = {}           # seq -> a finished request's cells, kept as cache
         self.forks: dict[int, tuple[int, int]] = {}   # request seq -> (seq it forked from, tokens)
@@ -174,6 +175,7 @@ class Pool:
         """Create the context for `agents` (every registered agent of this pool)."""
         n_ctx, n_seqs = self.size_for(agents)
         self.rebuilds += self.stale
+        self.opens += 1
         self.ctx = self._new_context(self.loaded, n_ctx, n_seqs, self.exact)
         self.free_seqs = list(range(self.ctx.n_seq_max - 1, -1, -1))
         self.tomb = self.free_seqs.pop(0) if self.exact else None

@@ -367,19 +367,24 @@ class Scheduler:
         return self.pools[key]
 
     def _switch(self, pool: Pool, payers: dict[int, float]) -> None:
-        """Make `pool` live: the batch leaves (its runs wait to rejoin), the live pool's
-        agents are paused to host RAM and its context freed; `pool` opens sized for its
-        agents that have DECODEd and every agent of `payers` (uid -> weight), who are
-        charged its time."""
+        """Make `pool` live: the batch leaves (its runs wait to rejoin). A conversations'
+        pool that was live has its agents paused to host RAM and its context freed; a
+        request pool stays open, its requests seated, its kept cells kept (its cells are
+        booked whole by its reservation, open or not), so requests and conversations of
+        one model take turns without rebuilding each other. `pool`, unless open (or if
+        stale: rebuilt), opens sized for its agents that have DECODEd and every agent of
+        `payers` (uid -> weight), who are charged its time."""
         t0 = time.perf_counter()
         for run in list(self._batch):
             self._to_waiting(run)
-        if self.live is not None and self.live.is_open:
-            last = self.live.last
-            paused = self.live.close()
+        left = self.live
+        if left is not None and left.is_open and (left.fixed is None or left is pool):
+            last = left.last
+            paused = left.close()
             self._switch_evicted = last if last in paused else (paused[-1] if paused else None)
         self.live = pool
-        pool.open(self.host.agents_of(pool.key, sizing_for=set(payers)))
+        if not pool.is_open:
+            pool.open(self.host.agents_of(pool.key, sizing_for=set(payers)))
         self._turn_began = time.monotonic()
         cost = time.perf_counter() - t0
         for run in self._waiting:
@@ -761,7 +766,7 @@ class Scheduler:
         """Put the agent back as it was before the DECODE, seated or paused."""
         agent = run.agent
         agent.history, agent.pending = agent.history[:run.n_history], run.pending
-        pool = self.live if self.live is not None and self.live.key == run.pool_key else None
+        pool = self.pools.get(run.pool_key)        # (a request pool may be open but not live)
         seat = pool.seat_of(agent) if pool is not None and pool.is_open else None
         if seat is not None:
             try:

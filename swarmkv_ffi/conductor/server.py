@@ -399,13 +399,17 @@ class Server:
         if every:
             for path, refs, measured in c.registry.snapshot():
                 lines.append("model " + protocol.kv(path=path, refcount=refs, measured_bytes=measured))
-            pool = c.scheduler.live
-            if pool is not None and pool.ctx is not None:   # the live pool: its shared context
+            live_pool = c.scheduler.live
+            pools = [p for p in [live_pool] + list(c.scheduler.pools.values()) if p is not None]
+            for pool in dict.fromkeys(pools):     # every open pool's context, the live one first
+                if pool.ctx is None:
+                    continue
                 lines.append("pool " + protocol.kv(model=pool.loaded.name, exact=pool.exact,
+                                                   requests=pool.fixed is not None, live=pool is live_pool,
                                                    seated=len(pool.seats), seqs=pool.ctx.n_seq_max,
                                                    cells=pool.ctx.n_ctx, cells_free=pool.cells_free,
                                                    tomb_cells=pool.tomb_cells, rebuilds=pool.rebuilds,
-                                                   documents=len(pool.docs)))
+                                                   opens=pool.opens, documents=len(pool.docs)))
         for p in list(c.prefixes.values()):
             if every or p.key.startswith(f"{uid}:"):
                 lines.append("prefix " + protocol.kv(key=p.key, tokens=p.n_tokens, agents=len(p.agents),

@@ -107,6 +107,8 @@ class _Collector:
         seqs.add_metric(["running"], stats["running"])
         seqs.add_metric(["kept"], stats["kept"])
         yield seqs
+        yield _counter("pool_opens", "Times the request pool's context was made (once, unless "
+                       "something rebuilt it: its cached cells are lost each time)", stats["opens"])
         yield from _host_tier(engine.host_tier)
         tally = stats["steps"]
         if tally is not None:
