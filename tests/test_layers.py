@@ -35,6 +35,7 @@ LAYERS: list[list[str]] = [
     ["serve", "serve.schemas", "serve.keys", "serve.text", "serve.routing", "serve.persist", "serve.templates",
      "serve.guard", "serve.metrics", "serve.sizing"],
     ["serve.errors", "serve.settings", "serve.structured"],
+    ["serve.hosted"],                                                   # one model: its pool, tier, size
     ["serve.engine"],                                                   # serve/ on conductor.requests
     ["serve.calls"],
     ["serve.responses"],

@@ -29,13 +29,14 @@ def server(tmp_path_factory):
 
 
 def scrape(server, key: str | None) -> dict:
-    """{(name, labels as a sorted tuple): value} of one scrape with `key`."""
+    """{(name, labels as a sorted tuple): value} of one scrape with `key` (the `model`
+    label left out: these servers host one)."""
     request = urllib.request.Request(server.url + "/metrics",
                                      headers={"Authorization": f"Bearer {key}"} if key else {})
     with urllib.request.urlopen(request, timeout=60) as reply:
         assert reply.headers["Content-Type"].startswith("text/plain")
         text = reply.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model"))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 

@@ -17,14 +17,14 @@ def ours(args, cells: int | None, exact: bool = False, extra: tuple[str, ...] = 
 
 
 def metrics_of(server) -> dict:
-    """One scrape of our server's /metrics (a server without keys shows all):
-    {(name, label value or ""): value}."""
+    """One scrape of our server's /metrics (a server without keys shows all) of one hosted
+    model: {(name, its label other than `model`, or ""): value}."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
     with urllib.request.urlopen(server.url + "/metrics", timeout=60) as reply:
         text = reply.read().decode()
-    return {(s.name, next(iter(s.labels.values()), "")): s.value
+    return {(s.name, next((v for k, v in s.labels.items() if k != "model"), "")): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server: `swarmkv serve`, `lmxd --http` (docs/serve.md).
+"""The OpenAI-compatible server: `swarmkv serve`, `lmxd --http` (docs/serve.md): one or several models.
 
 Lowest first (tests/test_layers.py holds the same order):
 
@@ -16,7 +16,8 @@ Lowest first (tests/test_layers.py holds the same order):
     settings.py   the server's settings and their flags, written once for every front
     structured.py response_format, tools and grammar: the grammar a request's output follows,
                   and the answer read back as content or tool calls
-    engine.py     the served model on a conductor's RequestPool; choices in flight per key; draining
+    hosted.py     one hosted model: its RequestPool, the host-RAM tier below it, how its size was chosen
+    engine.py     the hosted models (--model, repeated) on one conductor; choices in flight per key; draining
     calls.py      one request in flight: its choices on threads, their events for the loop
     responses.py  a call as chat.completion / text_completion objects, whole or streamed
     routes.py     the routes: who asks what, to the engine, and the answer

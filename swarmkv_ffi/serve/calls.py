@@ -11,6 +11,7 @@ import asyncio
 import threading
 
 from .engine import Job, ServeEngine
+from .hosted import HostedModel
 from .errors import refused
 from .schemas import CachedTokens, Sampling, TokenLogprob, TopLogprob, Usage
 from .structured import Structure
@@ -35,11 +36,12 @@ class Choice:
 
 
 class Call:
-    """One request's choices, of `owner`'s, each with `max_tokens`."""
+    """One request's choices, of `owner`'s, to the `hosted` model, each with `max_tokens`."""
 
-    def __init__(self, engine: ServeEngine, owner: int, body: Sampling, prompts: list[list[int]],
-                 max_tokens: int, loop: asyncio.AbstractEventLoop, structure: Structure | None = None):
-        self.engine, self.owner, self.body = engine, owner, body
+    def __init__(self, engine: ServeEngine, hosted: HostedModel, owner: int, body: Sampling,
+                 prompts: list[list[int]], max_tokens: int, loop: asyncio.AbstractEventLoop,
+                 structure: Structure | None = None):
+        self.engine, self.hosted, self.owner, self.body = engine, hosted, owner, body
         self.structure = structure or Structure()
         self.prompts, self.max_tokens = prompts, max_tokens
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -53,8 +55,8 @@ class Call:
         self.engine.admit(self.owner, n * len(self.prompts))
         for p, tokens in enumerate(self.prompts):
             for k in range(n):
-                choice = Choice(p * n + k, TextStream(self.engine.model, self.body.stops()))
-                job = Job(self.owner, tokens, self.max_tokens, self._on_token(choice),
+                choice = Choice(p * n + k, TextStream(self.hosted.model, self.body.stops()))
+                job = Job(self.hosted.name, self.owner, tokens, self.max_tokens, self._on_token(choice),
                           sampling=self.body.settings(k, self.max_tokens), top_logprobs=self.body.ranked(),
                           grammar=self.structure.grammar)
                 self.choices.append(choice)
@@ -77,7 +79,7 @@ class Call:
         return on_token
 
     def _logprob_entry(self, token: int, ranked) -> TokenLogprob:
-        model = self.engine.model
+        model = self.hosted.model
         lp, top = ranked
 
         def item(t: int, p: float) -> TopLogprob:

@@ -69,24 +69,30 @@ def main(argv: list[str] | None = None) -> int:
         from .on_ray import run
         return run(args, settings, keys.mapping())
     engine = ServeEngine(settings, keys, threads=args.threads, budget_bytes=args.budget_bytes)
-    settings = engine.settings                  # (--ctx-size chosen, if it was not given)
     app = create_app(engine, keys, settings)
     http = server(engine, uvicorn_config(app, args.host, args.port, settings, args.verbose))
-    mode = "exact" if settings.exact else "fast"
-    print(f"swarmkv serve: {settings.served_name} ({engine.pool.path.name}, {mode} mode, {settings.ctx_size} "
-          f"cells, {settings.parallel} sequences) on http://{args.host}:{args.port}/v1"
-          f"{'' if keys.required else ' (no API key)'}", file=sys.stderr, flush=True)
-    if engine.sized is not None:
-        print(f"swarmkv serve: --ctx-size {engine.sized.cells}: {engine.sized.why}", file=sys.stderr, flush=True)
-    tier = engine.host_tier
-    print(f"swarmkv serve: evicted prefixes go to host RAM ({tier.limit >> 20} MiB, --host-cache-mib)"
-          if tier is not None else "swarmkv serve: evicted prefixes are dropped (--host-cache-mib 0)",
-          f"then to {settings.cache_dir}" if settings.cache_dir is not None else "", file=sys.stderr, flush=True)
+    announce(engine, settings, f"http://{args.host}:{args.port}/v1{'' if keys.required else ' (no API key)'}")
     try:
         http.run()
     finally:
         engine.close()
     return 0
+
+
+def announce(engine, settings: Settings, where: str) -> None:
+    """The startup log: each hosted model, its size and why, where its evicted prefixes go."""
+    def say(line: str) -> None:
+        print(f"swarmkv serve: {line}", file=sys.stderr, flush=True)
+    mode = "exact" if settings.exact else "fast"
+    below = f", then to {settings.cache_dir}" if settings.cache_dir is not None else ""
+    for name, hosted in engine.hosted.items():
+        tier = hosted.host_tier
+        say(f"{name} ({hosted.pool.path.name}, {mode} mode, {hosted.cells} cells, {settings.parallel} sequences)")
+        if hosted.sized is not None:
+            say(f"  --ctx-size {hosted.sized.cells}: {hosted.sized.why}")
+        say(f"  evicted prefixes go to host RAM ({tier.limit >> 20} MiB, --host-cache-mib){below}" if tier is not None
+            else f"  evicted prefixes are dropped from host RAM (--host-cache-mib 0){below}")
+    say(f"on {where}")
 
 
 if __name__ == "__main__":

@@ -1,19 +1,18 @@
-"""The served model: requests of API keys' owners run on a conductor's request pool.
+"""The served models: requests of API keys' owners run on a conductor's request pools.
 
 The server runs on an lmxd Conductor (ledger, scheduler, fair policy): its own for
-`swarmkv serve`, lmxd's for `lmxd --http`. At start it opens a RequestPool
-(conductor/requests.py) of `--ctx-size` cells, which loads the model and books its
-weights and every cell in the ledger, once. Each choice of a request is then submitted
-to that pool as the request's owner's; the pool forks the longest prefix it already
-holds and decodes the rest with the others in one batch. This module adds what only an
-HTTP server has: a cap on choices in flight per key and in all, a stopping state, and
-the tiers below the pool's cells (evicted prefixes to host RAM, conductor/tiers.py, and
-on to disk with --cache-dir, persist.py). The routes (routes.py) turn bodies into
-Jobs and results into responses.
+`swarmkv serve`, lmxd's for `lmxd --http`. At start it opens, for each `--model`, a
+RequestPool (conductor/requests.py, through hosted.py) of `--ctx-size` cells, which
+loads the model and books its weights and every cell in the ledger, once. Each choice
+of a request is then submitted to the pool of the model it names, as the request's
+owner's; the pool forks the longest prefix it already holds and decodes the rest with
+the others in one batch. This module adds what only an HTTP server has: a cap on
+choices in flight per key and in all (every model's together), a stopping state, and
+the disk store below every pool (--cache-dir, persist.py). The routes (routes.py) turn
+bodies into Jobs and results into responses.
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -22,12 +21,10 @@ from ..conductor.agents import Conductor
 from ..conductor.ledger import Ledger
 from ..conductor.memory import DeviceMemory
 from ..conductor.policy import Policy
-from ..conductor.requests import ContextFull, RequestPool, RequestResult
-from ..conductor.tiers import HostTier
+from ..conductor.requests import RequestResult
 from ..prefix_cache import PrefixCache
-from .. import catalog
-from . import sizing, templates
-from .errors import Refused, context_exceeded, refused
+from .errors import Refused, refused
+from .hosted import HostedModel
 from .keys import Keys
 from .metrics import Tally
 from .persist import PrefixStore
@@ -36,8 +33,10 @@ from .settings import Settings
 
 @dataclass
 class Job:
-    """One choice of one request. on_token(token, logprobs) runs on the scheduler's thread
-    after each generated token and returns False to end the choice there (a stop string)."""
+    """One choice of one request, to the hosted model named `model`. on_token(token,
+    logprobs) runs on the scheduler's thread after each generated token and returns False
+    to end the choice there (a stop string)."""
+    model: str
     owner: int
     tokens: list[int]
     max_tokens: int
@@ -50,7 +49,7 @@ class Job:
 
 
 class ServeEngine:
-    """One model served to owners (API keys, `keys`), as `settings` say. conductor: lmxd's (lmxd
+    """The `--model`s served to owners (API keys, `keys`), as `settings` say. conductor: lmxd's (lmxd
     --http), else one of its own with its own ledger (budget_bytes) and threads; there,
     one key alone gets whole n_batch steps, as llama-server's slots do, and between keys
     lmxd's fair step cap applies."""
@@ -59,27 +58,22 @@ class ServeEngine:
                  budget_bytes: int | None = None, conductor: Conductor | None = None):
         self.settings = settings
         self.memory = None if conductor is not None else DeviceMemory(budget_bytes=budget_bytes)
+        self.conductor = conductor or Conductor(Ledger(self.memory.budget), n_threads=threads,
+                                                policy=Policy(lone_step_seconds=None))
+        self.hosted: dict[str, HostedModel] = {}      # the id clients send -> its model, in --model order
         try:
-            self.conductor = conductor or Conductor(Ledger(self.memory.budget), n_threads=threads,
-                                                    policy=Policy(lone_step_seconds=None))
             cache = PrefixCache.open_optional(settings.cache_dir) if settings.cache_dir is not None else None
-            disk = PrefixStore(cache, keys.key_of) if cache is not None else None
-            host_bytes = sizing.host_cache_bytes(settings.host_cache_mib)
-            self.host_tier = HostTier(self.conductor.swap, host_bytes, below=disk) if host_bytes else None
-            self.store = self.host_tier or disk
-            self.sized = None if settings.ctx_size is not None else sizing.for_model(
-                catalog.resolve(settings.model), self.conductor.ledger.limit() - self.conductor.ledger.allocated)
-            if self.sized is not None:
-                settings = self.settings = dataclasses.replace(settings, ctx_size=self.sized.cells)
-            self.pool = RequestPool(self.conductor, settings.model, cells=settings.ctx_size,
-                                    seqs=settings.parallel, exact=settings.exact,
-                                    share=settings.share_prefixes, store=self.store)
+            self.disk = PrefixStore(cache, keys.key_of) if cache is not None else None
+            for model, name in settings.served():
+                self.hosted[name] = HostedModel.open(self.conductor, settings, model, name, self.disk)
         except BaseException:
+            for hosted in self.hosted.values():
+                hosted.close()               # what opened before the failure is booked no more
             if self.memory is not None:
+                self.conductor.shutdown(0)
+                self.conductor.close()
                 self.memory.close()
             raise
-        self.model = self.pool.model
-        templates.longest_token(self.model)     # its vocabulary read now, not by the first request
         self.max_requests, self.max_per_owner = settings.max_requests, settings.per_key(len(keys.mapping()))
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)   # notified when no choice is in flight
@@ -88,23 +82,17 @@ class ServeEngine:
         self.tally = Tally()                     # each key's request and token counters (/metrics)
         self.stopping = False
 
+    def model_named(self, name: str) -> HostedModel:
+        """The hosted model clients call `name`; 404 in OpenAI's words naming those served."""
+        if name not in self.hosted:
+            raise Refused(404, f"The model `{name}` does not exist; this server serves "
+                          f"{', '.join(f'`{n}`' for n in self.hosted)}", "model_not_found", "model")
+        return self.hosted[name]
+
     @property
     def max_context(self) -> int:
-        """A request's prompt plus max_tokens may take at most this many cells."""
-        return self.pool.max_context
-
-    def max_tokens_for(self, prompts: list[list[int]], asked: int | None, what: str) -> int:
-        """max_tokens for a request: as asked, or what the context leaves (at most
-        --default-max-tokens); 400 in OpenAI's words when the longest prompt does not fit.
-        `what`: "messages" or "prompt", the field at fault."""
-        longest = max(len(p) for p in prompts)
-        if asked is None:
-            asked = min(self.settings.default_max_tokens, self.max_context - longest)
-        try:
-            self.pool.check(longest, asked)
-        except ContextFull as exc:
-            raise context_exceeded(exc, what) from None
-        return asked
+        """The most cells any hosted model's request may take (prompt plus max_tokens)."""
+        return max(h.max_context for h in self.hosted.values())
 
     def admit(self, owner: int, n: int) -> None:
         """Count n choices in flight for owner, or refuse (400: more than a key may ever
@@ -146,7 +134,7 @@ class ServeEngine:
         with self._lock:
             self._job_of[id(job)] = job
         try:
-            result = self.pool.submit(job.owner, job.tokens, job.max_tokens, sampling=job.sampling,
+            result = self.hosted[job.model].pool.submit(job.owner, job.tokens, job.max_tokens, sampling=job.sampling,
                                       top_logprobs=job.top_logprobs, on_token=job.on_token,
                                       cancelled=job.cancelled, grammar=job.grammar).result()
         except Exception as exc:
@@ -182,14 +170,13 @@ class ServeEngine:
         running requests end first (they are refused once the daemon stops) and the pool's
         booking is released."""
         self.drain()
-        if self.store is not None:
-            self.store.flush()              # prefixes captured are written before we go
+        if self.disk is not None:
+            self.disk.flush()               # prefixes captured are written before we go
         if self.memory is None:
             with self._idle:
                 self._idle.wait_for(lambda: not self._running)
-            self.pool.close()
-            if self.host_tier is not None:
-                self.host_tier.clear()      # lmxd's swap budget is the daemon's to book again
+            for hosted in self.hosted.values():
+                hosted.close()              # (lmxd's ledgers are the daemon's to book again)
             return
         self.conductor.shutdown(grace_s)
         self.conductor.close()

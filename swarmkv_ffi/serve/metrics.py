@@ -2,10 +2,11 @@
 
 Two views, so that no key learns another's figures:
 
-- **the operator's**: everything: requests running and waiting, the pool's cells (free,
-  booked by running requests, booked by kept prefixes) and sequences, prompt tokens and
-  how many came from cache (per tier: the pool's cells, or the disk store), prefills
-  avoided, generated tokens, steps and the decode rows each carried, preemptions. Given to a scrape
+- **the operator's**: everything: requests running and waiting; per hosted model (label
+  `model`) its pool's cells (free, booked by running requests, booked by kept prefixes),
+  sequences, opens, host-RAM tier, steps and the decode rows each carried, preemptions;
+  prompt tokens and how many came from cache (per tier: the pool's cells, host RAM, or
+  the disk store), prefills avoided, generated tokens. Given to a scrape
   with `--metrics-key`, or to anyone on a server without keys (loopback, as /v1 is).
 - **a key's own**: the same request and token counters, of that key's requests only, and
   nothing of the pool (its cells and steps are everyone's traffic). Given to a scrape
@@ -94,60 +95,69 @@ class _Collector:
                      engine.in_flight(owner))
         if owner is not None:
             return                          # the pool's figures are every key's traffic
-        stats = engine.pool.stats()
-        yield _gauge("requests_waiting", "Choices waiting for a seat in the pool", stats["waiting"])
-        cells = GaugeMetricFamily("swarmkv_kv_cells", "The request pool's KV cells, by state: all of them, "
-                                  "free, booked by running requests, booked by kept prefixes (each cell "
-                                  "booked once, however many sequences share it)", labels=["state"])
+        yield _gauge("requests_waiting", "Choices waiting for a seat in a pool", engine.conductor.scheduler.waiting())
+        yield from _pools(engine.hosted)
+
+
+def _pools(hosted: dict):
+    """Each hosted model's pool (label `model`): its cells, sequences, opens, host tier and steps."""
+    label = ["model"]
+    cells = GaugeMetricFamily("swarmkv_kv_cells", "A request pool's KV cells, by state: all of them, free, "
+                              "booked by running requests, booked by kept prefixes (each cell booked once, "
+                              "however many sequences share it)", labels=label + ["state"])
+    seqs = GaugeMetricFamily("swarmkv_sequences", "A pool's sequences in use, by kind", labels=label + ["kind"])
+    opens = CounterMetricFamily("swarmkv_pool_opens", "Times a request pool's context was made (once, unless "
+                                "something rebuilt it: its cached cells are lost each time)", labels=label)
+    held = GaugeMetricFamily("swarmkv_host_cache_bytes", "Host RAM holding a pool's evicted prefixes' KV, and "
+                             "its limit (--host-cache-mib)", labels=label + ["state"])
+    entries = GaugeMetricFamily("swarmkv_host_cache_entries", "Evicted prefixes held in host RAM", labels=label)
+    demoted = CounterMetricFamily("swarmkv_host_cache_demoted", "Prefixes that left host RAM for room (to "
+                                  "--cache-dir, or dropped without one)", labels=label)
+    counters = {field: CounterMetricFamily(f"swarmkv_{name}", doc, labels=label) for name, field, doc in STEP_COUNTERS}
+    rows = CounterMetricFamily("swarmkv_step_rows", "Batch rows the steps carried, by kind", labels=label + ["kind"])
+    per_step = HistogramMetricFamily("swarmkv_step_decode_rows", "Decode rows per step (requests generating "
+                                     "together)", labels=label)
+    for name, model in hosted.items():
+        stats = model.pool.stats()
         for state, key in (("total", "cells"), ("free", "cells_free"), ("running", "cells_running"),
                            ("kept", "cells_kept")):
-            cells.add_metric([state], stats[key])
-        yield cells
-        seqs = GaugeMetricFamily("swarmkv_sequences", "The pool's sequences in use, by kind", labels=["kind"])
-        seqs.add_metric(["running"], stats["running"])
-        seqs.add_metric(["kept"], stats["kept"])
-        yield seqs
-        yield _counter("pool_opens", "Times the request pool's context was made (once, unless "
-                       "something rebuilt it: its cached cells are lost each time)", stats["opens"])
-        yield from _host_tier(engine.host_tier)
+            cells.add_metric([name, state], stats[key])
+        seqs.add_metric([name, "running"], stats["running"])
+        seqs.add_metric([name, "kept"], stats["kept"])
+        opens.add_metric([name], stats["opens"])
+        tier = model.host_tier
+        if tier is not None:
+            held.add_metric([name, "used"], tier.nbytes)
+            held.add_metric([name, "limit"], tier.limit)
+            entries.add_metric([name], len(tier.entries))
+            demoted.add_metric([name], tier.demoted)
         tally = stats["steps"]
         if tally is not None:
-            yield from _steps(tally)
+            for field, family in counters.items():
+                family.add_metric([name], getattr(tally, field))
+            rows.add_metric([name, "decode"], tally.decode_rows)
+            rows.add_metric([name, "prompt"], tally.prompt_rows)
+            per_step.add_metric([name], *_buckets(tally.by_decode_rows))
+    yield from (cells, seqs, opens, held, entries, demoted, *counters.values(), rows, per_step)
 
 
-def _host_tier(tier):
-    """The host-RAM tier's bytes against its limit (conductor/tiers.py), if there is one."""
-    if tier is None:
-        return
-    held = GaugeMetricFamily("swarmkv_host_cache_bytes", "Host RAM holding evicted prefixes' KV, and "
-                             "its limit (--host-cache-mib)", labels=["state"])
-    held.add_metric(["used"], tier.nbytes)
-    held.add_metric(["limit"], tier.limit)
-    yield held
-    yield _gauge("host_cache_entries", "Evicted prefixes held in host RAM", len(tier.entries))
-    yield _counter("host_cache_demoted", "Prefixes that left host RAM for room (to --cache-dir, "
-                   "or dropped without one)", tier.demoted)
+#: The steps' counters: (metric, the StepTally field it reads, what it counts).
+STEP_COUNTERS = (
+    ("steps", "steps", "Batched decode steps of a pool"),
+    ("step_seconds", "seconds", "Seconds spent in those steps"),
+    ("preemptions", "preemptions", "Running requests that gave their cells up for others to grow (their KV "
+                                   "went to host RAM, or they re-read their tokens later)"),
+    ("preemptions_swapped", "swapped", "Of those, the ones whose KV went to host RAM (cheaper, as measured, "
+                                       "than re-reading it)"),
+)
 
 
-def _steps(tally):
-    yield _counter("steps", "Batched decode steps of the pool", tally.steps)
-    yield _counter("step_seconds", "Seconds spent in those steps", tally.seconds)
-    yield _counter("preemptions", "Running requests that gave their cells up for others to grow "
-                   "(their KV went to host RAM, or they re-read their tokens later)", tally.preemptions)
-    yield _counter("preemptions_swapped", "Of those, the ones whose KV went to host RAM (cheaper, as "
-                   "measured, than re-reading it)", tally.swapped)
-    rows = CounterMetricFamily("swarmkv_step_rows", "Batch rows the steps carried, by kind", labels=["kind"])
-    rows.add_metric(["decode"], tally.decode_rows)
-    rows.add_metric(["prompt"], tally.prompt_rows)
-    yield rows
-    seen = dict(tally.by_decode_rows)
-    buckets = []
-    for bound in ROW_BUCKETS:
-        buckets.append((str(float(bound)), sum(n for rows_, n in seen.items() if rows_ <= bound)))
-    total = sum(seen.values())
-    buckets.append(("+Inf", total))
-    yield HistogramMetricFamily("swarmkv_step_decode_rows", "Decode rows per step (requests generating together)",
-                                buckets=buckets, sum_value=sum(r * n for r, n in seen.items()))
+def _buckets(by_decode_rows: dict[int, int]) -> tuple[list, float]:
+    """The histogram's cumulative buckets and sum, from how many steps carried each number of rows."""
+    seen = dict(by_decode_rows)
+    buckets = [(str(float(bound)), sum(n for rows, n in seen.items() if rows <= bound)) for bound in ROW_BUCKETS]
+    buckets.append(("+Inf", sum(seen.values())))
+    return buckets, sum(r * n for r, n in seen.items())
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

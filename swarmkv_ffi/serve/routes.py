@@ -20,6 +20,7 @@ from .. import grammar
 from . import structured, templates
 from .calls import Call
 from .engine import ServeEngine
+from .hosted import HostedModel
 from .errors import Refused, error_body, error_response, refused, unsupported, validation_message
 from .keys import OPEN, Keys, bearer
 from .metrics import CONTENT_TYPE as METRICS_TYPE
@@ -35,16 +36,12 @@ PREPARING_PER_KEY = 2
 
 @dataclass
 class Served:
-    """What the routes serve: one model's engine, its keys and the server's settings."""
+    """What the routes serve: the engine (every hosted model), the keys and the settings."""
     engine: ServeEngine
     keys: Keys
     settings: Settings
     created: int = field(default_factory=lambda: int(time.time()))
     gates: dict[int, asyncio.Semaphore] = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        return self.settings.served_name
 
     def preparing(self, owner: int) -> asyncio.Semaphore:
         """The owner's gate to read, parse and tokenize a request: PREPARING_PER_KEY at
@@ -92,7 +89,7 @@ async def metrics(request: Request):
 async def models(request: Request):
     owner_of(request)
     s = served(request)
-    return ModelList(data=[ModelCard(id=s.name, created=s.created)]).model_dump()
+    return ModelList(data=[ModelCard(id=name, created=s.created) for name in s.engine.hosted]).model_dump()
 
 
 # ---- POST --------------------------------------------------------------------------------
@@ -102,12 +99,12 @@ async def chat(request: Request):
     s = served(request)
     async with s.preparing(who):
         body = await read_body(request, ChatRequest, s)
-        check_model(s, body.model)
-        structure = structured.plan(body, parallel_default=templates.model_knows_tools(s.engine.model))
-        tokens = await asyncio.to_thread(chat_tokens, s.engine, body, structure)
-    call = Call(s.engine, who, body, [tokens], s.engine.max_tokens_for([tokens], body.limit(), "messages"),
+        hosted = s.engine.model_named(body.model)
+        structure = structured.plan(body, parallel_default=templates.model_knows_tools(hosted.model))
+        tokens = await asyncio.to_thread(chat_tokens, hosted, body, structure)
+    call = Call(s.engine, hosted, who, body, [tokens], hosted.max_tokens_for([tokens], body.limit(), "messages"),
                 asyncio.get_running_loop(), structure)
-    return await answer(request, call, ChatShape(s.name))
+    return await answer(request, call, ChatShape(hosted.name))
 
 
 async def completions(request: Request):
@@ -115,15 +112,15 @@ async def completions(request: Request):
     s = served(request)
     async with s.preparing(who):
         body = await read_body(request, CompletionRequest, s)
-        check_model(s, body.model)
+        hosted = s.engine.model_named(body.model)
         if body.echo or body.suffix:
             raise Refused(400, "echo and suffix are not supported", "unsupported_parameter",
                           "echo" if body.echo else "suffix")
         structure = structured.plan(body)
-        prompts = await asyncio.to_thread(completion_tokens, s.engine, body, structure)
-    call = Call(s.engine, who, body, prompts, s.engine.max_tokens_for(prompts, body.limit(), "prompt"),
+        prompts = await asyncio.to_thread(completion_tokens, hosted, body, structure)
+    call = Call(s.engine, hosted, who, body, prompts, hosted.max_tokens_for(prompts, body.limit(), "prompt"),
                 asyncio.get_running_loop(), structure)
-    return await answer(request, call, CompletionShape(s.name))
+    return await answer(request, call, CompletionShape(hosted.name))
 
 
 # ---- what the POST routes share -------------------------------------------------------------
@@ -169,9 +166,10 @@ async def read_body(request: Request, schema, s: Served):
 
 
 def body_bound(engine: ServeEngine) -> int:
-    """The most bytes a body can take whose text could fit the context: every character
-    as a 6-byte JSON escape, and 1 MiB for the rest (schemas, token lists, fields)."""
-    return 6 * (engine.max_context + 1) * templates.longest_token(engine.model) + (1 << 20)
+    """The most bytes a body can take whose text could fit the context of some hosted
+    model: every character as a 6-byte JSON escape, and 1 MiB for the rest (schemas,
+    token lists, fields)."""
+    return max(6 * (h.max_context + 1) * templates.longest_token(h.model) for h in engine.hosted.values()) + (1 << 20)
 
 
 def parse_body(raw: bytes, schema):
@@ -199,20 +197,14 @@ def check_vocabulary(n_vocab: int, ids: dict[str, list[int]]) -> None:
                           "invalid_token", field_name)
 
 
-def check_model(s: Served, name: str) -> None:
-    if name != s.name:
-        raise Refused(404, f"The model `{name}` does not exist; this server serves `{s.name}`",
-                      "model_not_found", "model")
-
-
-def chat_tokens(engine: ServeEngine, body: ChatRequest, structure: structured.Structure) -> list[int]:
+def chat_tokens(hosted: HostedModel, body: ChatRequest, structure: structured.Structure) -> list[int]:
     """The messages (with the tools told, structured.py) through the model's chat
     template, as tokens; the grammar checked against the vocabulary. Off the event loop:
     a body of megabytes takes a while."""
-    model = engine.model
+    model = hosted.model
     check_vocabulary(model.n_vocab, body.vocabulary_ids())
     messages = structure.messages([m.for_template() for m in body.messages], templates.model_knows_tools(model))
-    check_length(engine, sum(len(t) for t in templates.message_texts(messages)), "messages")
+    check_length(hosted, sum(len(t) for t in templates.message_texts(messages)), "messages")
     check_grammar(model, structure)
     try:
         return templates.tokens(model, messages, structure.tools)
@@ -220,14 +212,14 @@ def chat_tokens(engine: ServeEngine, body: ChatRequest, structure: structured.St
         raise Refused(400, str(exc), "invalid_request_error", "messages") from None
 
 
-def completion_tokens(engine: ServeEngine, body: CompletionRequest,
+def completion_tokens(hosted: HostedModel, body: CompletionRequest,
                       structure: structured.Structure) -> list[list[int]]:
     """The prompts as tokens (a prompt given as tokens as it is), every token id the body
     names and the grammar checked."""
-    model = engine.model
+    model = hosted.model
     check_vocabulary(model.n_vocab, body.vocabulary_ids())
     for p in body.prompts():
-        check_length(engine, len(p), "prompt")
+        check_length(hosted, len(p), "prompt")
     prompts = [p if isinstance(p, list) else [int(t) for t in model.tokenize(p, add_special=True)]
                for p in body.prompts()]
     if not all(prompts):
@@ -236,13 +228,13 @@ def completion_tokens(engine: ServeEngine, body: CompletionRequest,
     return prompts
 
 
-def check_length(engine: ServeEngine, n: int, what: str) -> None:
+def check_length(hosted: HostedModel, n: int, what: str) -> None:
     """400 without tokenizing when `n` characters (or tokens) cannot fit the context
     whatever they say: tokenizing 8 MiB of text took a core from everyone's decodes for
     seconds, and nobody was charged for it."""
-    longest = templates.longest_token(engine.model)
-    if n > (engine.max_context + 1) * longest:
-        raise Refused(400, f"{what}: {n} characters cannot fit the context of {engine.max_context} tokens "
+    longest = templates.longest_token(hosted.model)
+    if n > (hosted.max_context + 1) * longest:
+        raise Refused(400, f"{what}: {n} characters cannot fit the context of {hosted.max_context} tokens "
                       f"(no token spells more than {longest} characters)", "context_length_exceeded", what)
 
 

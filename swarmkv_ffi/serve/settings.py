@@ -21,8 +21,8 @@ from .keys import OPEN, Keys
 
 @dataclass(frozen=True)
 class Settings:
-    model: str = catalog.DEFAULT_MODEL
-    name: str | None = None                  # the model id clients send (default: model as given)
+    models: tuple[str, ...] = (catalog.DEFAULT_MODEL,)   # --model, once per model served
+    name: str | None = None                  # the model id clients send (one model; default: as given)
     ctx_size: int | None = None              # the pool's KV cells (None: sizing.py chooses)
     parallel: int = MAX_SEQS - 1             # the pool's sequences: llama.cpp's most
     exact: bool = False
@@ -41,11 +41,24 @@ class Settings:
     metrics_key: str | None = None           # a scrape with it sees the whole server's /metrics
 
     @property
+    def model(self) -> str:
+        """The first model (the one a single-model front serves)."""
+        return self.models[0]
+
+    @property
     def served_name(self) -> str:
         return self.name or self.model
 
+    def served(self) -> list[tuple[str, str]]:
+        """(model as given, the id clients send) of every model served."""
+        return [(self.model, self.served_name)] + [(m, m) for m in self.models[1:]]
+
     def check(self) -> None:
         """A clear ValueError for a setting that cannot work, before anything loads."""
+        if len(self.models) > 1 and self.name is not None:
+            raise ValueError("--name renames a single --model; with several, clients send each as given")
+        if len(set(self.models)) != len(self.models):
+            raise ValueError(f"a --model is given twice: {', '.join(self.models)}")
         if self.ctx_size is not None and self.ctx_size < 512:
             raise ValueError(f"--ctx-size must be at least 512 cells, got {self.ctx_size}")
         if not 2 <= self.parallel <= MAX_SEQS - 1:
@@ -90,7 +103,9 @@ class Settings:
     def from_args(cls, args: argparse.Namespace, prefix: str = "") -> "Settings":
         """The settings add_arguments(…, prefix) parsed into `args`."""
         dest = prefix.replace("-", "_")
-        return cls(**{f.name: getattr(args, dest + f.name) for f in dataclasses.fields(cls)})
+        values = {f.name: getattr(args, dest + f.name) for f in dataclasses.fields(cls)}
+        values["models"] = tuple(values["models"] or DEFAULTS.models)   # --model appends, else the default
+        return cls(**values)
 
 
 DEFAULTS = Settings()
@@ -102,8 +117,11 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
         p.add_argument(f"--{prefix}{name}", **kw)
 
     d = DEFAULTS
-    flag("model", default=d.model, help="a packaged short name or a path to a .gguf file (default: %(default)s)")
-    flag("name", default=d.name, help="the model id clients send (default: the model as given)")
+    flag("model", dest=f"{prefix.replace('-', '_')}models", action="append", default=None,
+         help="a packaged short name or a path to a .gguf file; repeat it to serve several models from one "
+              "endpoint, each with a pool of its own under one memory ledger, requests routed by their "
+              f"`model` field (default: {d.model})")
+    flag("name", default=d.name, help="the model id clients send, for a single --model (default: the model as given)")
     flag("ctx-size", type=int, default=d.ctx_size,
          help="KV cells of the pool: every running request's prompt + max_tokens and the cached "
               "prefixes share them, each cell booked once (default: 4 x the model's context, or what "

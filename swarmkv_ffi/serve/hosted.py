@@ -1,0 +1,78 @@
+"""One model the server hosts: its request pool on the conductor, the tier below its
+cells, and how its size was chosen.
+
+`swarmkv serve --model A --model B` hosts each on the one conductor (one ledger, one
+scheduler): each model gets a RequestPool of its own (conductor/requests.py), sized from
+what the ledger has left when it opens (sizing.py), with a host-RAM tier for its evicted
+prefixes (conductor/tiers.py: KV of one model is no use to another) over the disk store
+the models share (persist.py; entries are keyed by model). The pools stay open side by
+side (the scheduler never closes a request pool to serve another), so requests for A
+and B take turns at the device without rebuilding each other's cells.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .. import catalog
+from ..conductor.agents import Conductor
+from ..conductor.requests import ContextFull, PrefixStore, RequestPool
+from ..conductor.tiers import HostTier
+from . import sizing, templates
+from .errors import context_exceeded
+from .settings import Settings
+
+
+@dataclasses.dataclass
+class HostedModel:
+    """`name` (the id clients send) served from `pool`; `cells`: its size, `sized`: why
+    (None when --ctx-size gave it); `host_tier`: its evicted prefixes, or None."""
+    name: str
+    pool: RequestPool
+    cells: int
+    sized: sizing.Size | None
+    host_tier: HostTier | None
+    default_max_tokens: int
+
+    @classmethod
+    def open(cls, conductor: Conductor, settings: Settings, model: str, name: str,
+             disk: PrefixStore | None) -> "HostedModel":
+        """Book and open `model`'s pool as `settings` say (its size from what the ledger
+        has left, unless --ctx-size)."""
+        sized = None if settings.ctx_size is not None else sizing.for_model(
+            catalog.resolve(model), conductor.ledger.limit() - conductor.ledger.allocated)
+        cells = settings.ctx_size if sized is None else sized.cells
+        host_bytes = sizing.host_cache_bytes(settings.host_cache_mib)
+        tier = HostTier(conductor.swap, host_bytes, below=disk) if host_bytes else None
+        pool = RequestPool(conductor, model, cells=cells, seqs=settings.parallel, exact=settings.exact,
+                           share=settings.share_prefixes, store=tier or disk)
+        templates.longest_token(pool.model)      # its vocabulary read now, not by the first request
+        return cls(name, pool, cells, sized, tier, settings.default_max_tokens)
+
+    @property
+    def model(self):
+        """The loaded Model (tokenizer, chat template, token bytes)."""
+        return self.pool.model
+
+    @property
+    def max_context(self) -> int:
+        """A request's prompt plus max_tokens may take at most this many cells."""
+        return self.pool.max_context
+
+    def max_tokens_for(self, prompts: list[list[int]], asked: int | None, what: str) -> int:
+        """max_tokens for a request: as asked, or what the context leaves (at most
+        --default-max-tokens); 400 in OpenAI's words when the longest prompt does not fit.
+        `what`: "messages" or "prompt", the field at fault."""
+        longest = max(len(p) for p in prompts)
+        if asked is None:
+            asked = min(self.default_max_tokens, self.max_context - longest)
+        try:
+            self.pool.check(longest, asked)
+        except ContextFull as exc:
+            raise context_exceeded(exc, what) from None
+        return asked
+
+    def close(self) -> None:
+        """Free the pool and its booking, and the host tier's (no request runs here)."""
+        self.pool.close()
+        if self.host_tier is not None:
+            self.host_tier.clear()
