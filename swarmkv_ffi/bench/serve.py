@@ -24,6 +24,8 @@ warm-up request:
                 again, ours alone (serve_tiers.py)
     preempt     a request preempted for room: its KV to host RAM and back, or re-read,
                 in process, ours alone (serve_preempt.py)
+    models      two models x N agents at once behind one endpoint, against llama-server's
+                router mode (serve_models.py)
 
 Reported: wall seconds per side, llama-server's / ours, tokens, prompt tokens served from
 cache (usage.prompt_tokens_details.cached_tokens, where a side reports it), and how many
@@ -257,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", type=Path, default=None,
                     help="llama-server binary (default: the stock one from ./build_llama.sh --tools)")
     ap.add_argument("--scenarios", default="at_once,one_by_one,turns,exact,overhead,structured",
-                    help="which to run, of those and keys, scale, tiers, preempt (default: all but those four)")
+                    help="which to run, of those and keys, scale, tiers, preempt, models (default: all but those five)")
     ap.add_argument("--attacks", default="idle,flood,big,body",
                     help="the keys scenario's attacks, of idle, flood, big, body (default: all)")
     ap.add_argument("--keys-rows", default="together,attacks,oracle",
@@ -265,18 +267,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale-agents", default="16,64,128,256", help="the scale scenario's N (default: %(default)s)")
     ap.add_argument("--scale-server-max", type=int, default=16,
                     help="the largest N llama-server runs in scale (default: %(default)s)")
+    ap.add_argument("--models-agents", type=int, default=4, help="agents per model in models (default 4)")
     ap.add_argument("--oracle-rounds", type=int, default=16, help="the keys oracle's timed guesses (default 16)")
     ap.add_argument("--out", type=Path, default=None, help="folder for serve.json")
     args = ap.parse_args(argv)
     wanted = args.scenarios.split(",")
     unknown = set(wanted) - {"at_once", "one_by_one", "turns", "exact", "overhead", "structured", "keys", "scale",
-                             "tiers", "preempt"}
+                             "tiers", "preempt", "models"}
     if unknown:
         ap.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
     from .serve_keys import ATTACKS
     if not set(args.attacks.split(",")) <= set(ATTACKS) or not set(args.keys_rows.split(",")) <= {"together", "attacks", "oracle"}:
         ap.error(f"--attacks takes some of {', '.join(ATTACKS)}; --keys-rows some of together, attacks, oracle")
-    if {"at_once", "one_by_one", "turns", "structured", "scale"} & set(wanted):   # (exact and overhead: ours alone)
+    if {"at_once", "one_by_one", "turns", "structured", "scale", "models"} & set(wanted):   # (exact and overhead: ours alone)
         args.server = server_binary(args.server, "swarmkv bench serve")
         if args.server is None:
             return 2
@@ -311,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     if "tiers" in wanted:
         from .serve_tiers import tier_rows
         rows += tier_rows(args, lambda name: f"Document {name}.\n" + keyed_body, QUESTIONS)
+    if "models" in wanted:
+        from .serve_models import models_rows
+        rows += models_rows(args, lambda name: f"Document {name}.\n" + keyed_body, QUESTIONS)
     if "preempt" in wanted:
         from .serve_preempt import preempt_rows
         rows += preempt_rows(args, doc)
