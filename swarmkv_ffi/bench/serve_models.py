@@ -61,8 +61,7 @@ def one_side(client, ids: dict[str, str], make_doc, questions: list[str], args) 
 def models_rows(args, make_doc, questions: list[str]) -> list[dict]:
     n, per_agent = args.models_agents, args.doc_tokens + 128 + args.gen
     row = {"scenario": "models", "models": list(MODELS), "agents_per_model": n}
-    flags = tuple(x for m in MODELS for x in ("--model", m)) + ("--ctx-size", str(max(2048, n * per_agent)))
-    with ours(args, None, extra=flags) as server:
+    with ours(args, n * per_agent, models=MODELS) as server:
         client = client_of(server, MODELS[0])
         row["ours"] = one_side(client, {m: m for m in MODELS}, make_doc, questions, args)
         row["ours"]["pool_opens"] = {m: metrics_of_model(server, m) for m in MODELS}

@@ -7,11 +7,14 @@ import sys
 from .peer import HttpServer, Server
 
 
-def ours(args, cells: int | None, exact: bool = False, extra: tuple[str, ...] = ()) -> HttpServer:
-    """`swarmkv serve` on a free loopback port: a pool of `cells` (at least the 512 it
-    takes) and 128 sequences, or (None) its own defaults for both; `extra` flags after."""
+def ours(args, cells: int | None, exact: bool = False, extra: tuple[str, ...] = (),
+         models: tuple[str, ...] | None = None) -> HttpServer:
+    """`swarmkv serve` on a free loopback port serving `models` (default: --model): a pool
+    of `cells` each (at least the 512 it takes) and 128 sequences, or (None) its own
+    defaults for both; `extra` flags after."""
     size = [] if cells is None else ["--ctx-size", str(max(512, cells)), "--parallel", "128"]
-    return HttpServer(lambda port: [sys.executable, "-m", "swarmkv_ffi.cli", "serve", "--model", args.model,
+    chosen = [x for m in (models or (args.model,)) for x in ("--model", m)]
+    return HttpServer(lambda port: [sys.executable, "-m", "swarmkv_ffi.cli", "serve", *chosen,
                                     "--port", str(port), "--threads", str(args.threads), *size]
                       + (["--exact"] if exact else []) + list(extra), "swarmkv serve")
 
