@@ -136,17 +136,17 @@ class RequestPool:
         """What the pool holds now and what its steps have carried, for operators: how
         many times its context was made, cells (all, free, booked by running requests,
         booked by kept ones), sequences (running, kept), requests waiting for a seat, and
-        its StepTally. Read from another thread
-        without stopping the scheduler: each figure is current, the set of them nearly so."""
+        its StepTally. Read from another thread without stopping the scheduler: each
+        figure is current, the set of them nearly so."""
         scheduler = self.conductor.scheduler
         pool = scheduler.pools.get(self.key)
         seats = list(pool.seats.values()) if pool is not None and pool.is_open else []
         kept = list(pool.kept.values()) if pool is not None and pool.is_open else []
         free = pool.cells_free if pool is not None and pool.is_open else self.cells
         tally = scheduler.tally.get(self.key)
-        return {"opens": pool.opens if pool is not None else 0, "cells": self.cells, "cells_free": free, "cells_running": sum(s.cells for s in seats),
-                "cells_kept": sum(k.cells for k in kept), "running": len(seats), "kept": len(kept),
-                "waiting": scheduler.waiting(), "steps": tally}
+        return {"opens": pool.opens if pool is not None else 0, "cells": self.cells, "cells_free": free,
+                "cells_running": sum(s.cells for s in seats), "cells_kept": sum(k.cells for k in kept),
+                "running": len(seats), "kept": len(kept), "waiting": scheduler.waiting(), "steps": tally}
 
     def close(self) -> None:
         """Free the pool and its booking. Call once no request of it is running."""

@@ -49,8 +49,8 @@ class Job:
 
 
 class ServeEngine:
-    """The `--model`s served to owners (API keys, `keys`), as `settings` say. conductor: lmxd's (lmxd
-    --http), else one of its own with its own ledger (budget_bytes) and threads; there,
+    """The `--model`s served to owners (API keys, `keys`), as `settings` say. conductor:
+    lmxd's (lmxd --http), else one of its own with its own ledger (budget_bytes) and threads; there,
     one key alone gets whole n_batch steps, as llama-server's slots do, and between keys
     lmxd's fair step cap applies."""
 
@@ -134,9 +134,10 @@ class ServeEngine:
         with self._lock:
             self._job_of[id(job)] = job
         try:
-            result = self.hosted[job.model].pool.submit(job.owner, job.tokens, job.max_tokens, sampling=job.sampling,
-                                      top_logprobs=job.top_logprobs, on_token=job.on_token,
-                                      cancelled=job.cancelled, grammar=job.grammar).result()
+            pool = self.hosted[job.model].pool
+            result = pool.submit(job.owner, job.tokens, job.max_tokens, sampling=job.sampling,
+                                 top_logprobs=job.top_logprobs, on_token=job.on_token,
+                                 cancelled=job.cancelled, grammar=job.grammar).result()
         except Exception as exc:
             raise refused(exc) from None
         finally:
