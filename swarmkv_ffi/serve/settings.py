@@ -117,7 +117,7 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
         p.add_argument(f"--{prefix}{name}", **kw)
 
     d = DEFAULTS
-    flag("model", dest=f"{prefix.replace('-', '_')}models", action="append", default=None,
+    flag("model", dest=f"{prefix.replace('-', '_')}models", action="append", default=None, metavar="MODEL",
          help="a packaged short name or a path to a .gguf file; repeat it to serve several models from one "
               "endpoint, each with a pool of its own under one memory ledger, requests routed by their "
               f"`model` field (default: {d.model})")
