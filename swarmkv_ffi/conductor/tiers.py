@@ -94,6 +94,10 @@ class HostTier:
         if len(tokens) < self.min_tokens or any(e.owner == owner and e.tokens[:len(tokens)] == tokens
                                                 for e in self.entries.values()):
             return                          # too short, or held already (in a longer entry)
+        if ctx.seq_state_size(seq) > self.limit:
+            if self.below is not None:      # never copied into RAM only to be let go at once
+                self.below.evicted(owner, tokens, ctx, seq)
+            return
         try:
             entry = HostEntry(owner, list(tokens), Snapshot.capture(ctx, seq, tokens))
         except SwarmKVError as exc:
