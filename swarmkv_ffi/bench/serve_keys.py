@@ -36,6 +36,7 @@ import urllib.request
 
 from .measure import at_once
 from .peer import HttpServer, log
+from .servers import openai_client as client
 
 KEY_A, KEY_B = "bench-key-a-0123456789", "bench-key-b-0123456789"
 ATTACKS = ("idle", "flood", "big", "body")
@@ -47,11 +48,6 @@ def keyed_server(args, key_file, cells: int) -> HttpServer:
     return HttpServer(lambda port: [sys.executable, "-m", "swarmkv_ffi.cli", "serve", "--model", args.model,
                                     "--port", str(port), "--threads", str(args.threads), "--ctx-size", str(cells),
                                     "--parallel", "64", "--api-key-file", str(key_file)], "swarmkv serve")
-
-
-def client(server, key: str):
-    from openai import OpenAI
-    return OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=3600)
 
 
 def agents(client_, args, doc: str, questions: list[str]):

@@ -23,7 +23,7 @@ from pathlib import Path
 from .. import catalog
 from .measure import at_once
 from .peer import HttpServer, log
-from .servers import ask, client_of, ours
+from .servers import ask, client_of, openai_client, ours, scrape
 
 MODELS = ("smollm2-135m", "gemma3-270m")
 
@@ -70,8 +70,7 @@ def models_rows(args, make_doc, questions: list[str]) -> list[dict]:
             path = catalog.resolve(m)
             (Path(folder) / path.name).symlink_to(path)
         with router(args, Path(folder), n, per_agent) as server:
-            from openai import OpenAI
-            client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=3600)
+            client = openai_client(server)
             known = [m.id for m in client.models.list().data]
             ids = {m: next(k for k in known if Path(catalog.resolve(m).name).stem in k) for m in MODELS}
             row["server"] = one_side(client, ids, make_doc, questions, args)
@@ -88,10 +87,5 @@ def models_rows(args, make_doc, questions: list[str]) -> list[dict]:
 
 def metrics_of_model(server, model: str) -> float:
     """How many times `model`'s pool context was made (our /metrics)."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as reply:
-        text = reply.read().decode()
-    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+    return next(s.value for s in scrape(server)
                 if s.name == "swarmkv_pool_opens_total" and s.labels.get("model") == model)

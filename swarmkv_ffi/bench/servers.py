@@ -19,16 +19,20 @@ def ours(args, cells: int | None, exact: bool = False, extra: tuple[str, ...] = 
                       + (["--exact"] if exact else []) + list(extra), "swarmkv serve")
 
 
-def metrics_of(server) -> dict:
-    """One scrape of our server's /metrics (a server without keys shows all) of one hosted
-    model: {(name, its label other than `model`, or ""): value}."""
+def scrape(server) -> list:
+    """Every sample of one scrape of our server's /metrics (a server without keys shows all)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
     with urllib.request.urlopen(server.url + "/metrics", timeout=60) as reply:
         text = reply.read().decode()
-    return {(s.name, next((v for k, v in s.labels.items() if k != "model"), "")): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def metrics_of(server) -> dict:
+    """One scrape of a server hosting one model: {(name, its label other than `model`,
+    or ""): value}."""
+    return {(s.name, next((v for k, v in s.labels.items() if k != "model"), "")): s.value for s in scrape(server)}
 
 
 def theirs(args, slots: int, cells_per_slot: int, jinja: bool = False) -> Server:
@@ -36,9 +40,15 @@ def theirs(args, slots: int, cells_per_slot: int, jinja: bool = False) -> Server
                   ["-np", str(slots), "--kv-unified", "-c", str(slots * cells_per_slot)] + (["--jinja"] if jinja else []))
 
 
-def client_of(server, model: str):
+def openai_client(server, key: str = "none"):
+    """The official client on `server`, as agents use it (no retries, an hour's patience)."""
     from openai import OpenAI
-    client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    return OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=3600)
+
+
+def client_of(server, model: str):
+    """openai_client, warmed by a 1-token request to `model`."""
+    client = openai_client(server)
     client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
                                    temperature=0)
     return client
