@@ -2,7 +2,8 @@
 against a real server and the `openai` client. Requests are routed by their `model`;
 /v1/models lists every one; an unknown name is a 404 naming the served ones; each model
 keeps its own pool open beside the other's, so requests that alternate between models
-never rebuild either pool (a document asked about again is forked, not prefilled)."""
+never rebuild either pool (a document asked about again is forked, not prefilled); the
+host-RAM tiers split --host-cache-mib between them."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,7 +25,7 @@ APACHE = (Path(__file__).parent.parent / "examples" / "apache-2.0.txt").read_tex
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("models")
     with Serve("--model", SMOL, "--model", GEMMA, "--ctx-size", "2048", "--parallel", "8",
-               log=folder / "serve.log") as s:
+               "--host-cache-mib", "64", log=folder / "serve.log") as s:
         yield s
 
 
@@ -33,12 +34,13 @@ def ask(client, model: str, doc: str, question: str):
         {"role": "system", "content": doc}, {"role": "user", "content": question}])
 
 
-def opens(server) -> dict[str, float]:
+def per_model(server, name: str, **labels: str) -> dict[str, float]:
+    """{model: value} of the /metrics samples called `name` with these other labels."""
     import urllib.request
     with urllib.request.urlopen(server.url + "/metrics", timeout=60) as reply:
         text = reply.read().decode()
     return {s.labels["model"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name == "swarmkv_pool_opens_total"}
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())}
 
 
 def test_requests_go_to_the_model_they_name_and_both_pools_stay_open(server):
@@ -51,7 +53,9 @@ def test_requests_go_to_the_model_they_name_and_both_pools_stay_open(server):
     again = {m: ask(client, m, doc, "Is there a warranty?") for m in (SMOL, GEMMA)}
     for m in (SMOL, GEMMA):        # the other model ran in between: this one's cells are still there
         assert again[m].usage.prompt_tokens_details.cached_tokens > first[m].usage.prompt_tokens // 2, m
-    assert opens(server) == {SMOL: 1, GEMMA: 1}
+    assert per_model(server, "swarmkv_pool_opens_total") == {SMOL: 1, GEMMA: 1}
+    halves = per_model(server, "swarmkv_host_cache_bytes", state="limit")      # --host-cache-mib split
+    assert halves == {SMOL: 32 << 20, GEMMA: 32 << 20}
 
 
 def test_an_unknown_model_is_a_404_naming_the_served_ones(server):

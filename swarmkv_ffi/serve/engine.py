@@ -24,6 +24,7 @@ from ..conductor.policy import Policy
 from ..conductor.requests import RequestResult
 from ..prefix_cache import PrefixCache
 from .errors import Refused, refused
+from . import sizing
 from .hosted import HostedModel
 from .keys import Keys
 from .metrics import Tally
@@ -64,8 +65,9 @@ class ServeEngine:
         try:
             cache = PrefixCache.open_optional(settings.cache_dir) if settings.cache_dir is not None else None
             self.disk = PrefixStore(cache, keys.key_of) if cache is not None else None
+            host_bytes = sizing.host_cache_bytes(settings.host_cache_mib) // len(settings.models)
             for model, name in settings.served():
-                self.hosted[name] = HostedModel.open(self.conductor, settings, model, name, self.disk)
+                self.hosted[name] = HostedModel.open(self.conductor, settings, model, name, self.disk, host_bytes)
         except BaseException:
             for hosted in self.hosted.values():
                 hosted.close()               # what opened before the failure is booked no more

@@ -5,9 +5,10 @@ cells, and how its size was chosen.
 scheduler): each model gets a RequestPool of its own (conductor/requests.py), sized from
 what the ledger has left when it opens (sizing.py), with a host-RAM tier for its evicted
 prefixes (conductor/tiers.py: KV of one model is no use to another) over the disk store
-the models share (persist.py; entries are keyed by model). The pools stay open side by
-side (the scheduler never closes a request pool to serve another), so requests for A
-and B take turns at the device without rebuilding each other's cells.
+the models share (persist.py; entries are keyed by model); the tiers split
+--host-cache-mib evenly. The pools stay open side by side (the scheduler never closes a
+request pool to serve another), so requests for A and B take turns at the device
+without rebuilding each other's cells.
 """
 from __future__ import annotations
 
@@ -35,13 +36,12 @@ class HostedModel:
 
     @classmethod
     def open(cls, conductor: Conductor, settings: Settings, model: str, name: str,
-             disk: PrefixStore | None) -> "HostedModel":
+             disk: PrefixStore | None, host_bytes: int) -> "HostedModel":
         """Book and open `model`'s pool as `settings` say (its size from what the ledger
-        has left, unless --ctx-size)."""
+        has left, unless --ctx-size), with a host tier of `host_bytes` (0: none)."""
         sized = None if settings.ctx_size is not None else sizing.for_model(
             catalog.resolve(model), conductor.ledger.limit() - conductor.ledger.allocated)
         cells = settings.ctx_size if sized is None else sized.cells
-        host_bytes = sizing.host_cache_bytes(settings.host_cache_mib)
         tier = HostTier(conductor.swap, host_bytes, below=disk) if host_bytes else None
         pool = RequestPool(conductor, model, cells=cells, seqs=settings.parallel, exact=settings.exact,
                            share=settings.share_prefixes, store=tier or disk)

@@ -85,7 +85,7 @@ class Front:
                 self.engine.close()
                 raise OSError(f"the HTTP front could not listen on {host}:{port} (see the log above)")
             time.sleep(0.05)
-        log.info("HTTP front: %s on http://%s:%d/v1", settings.served_name, host, port)
+        log.info("HTTP front: %s on http://%s:%d/v1", settings.served_names, host, port)
 
     def stop(self) -> None:
         self.engine.drain()

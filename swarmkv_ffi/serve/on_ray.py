@@ -309,7 +309,7 @@ def run(args, settings: Settings, keys: dict[str, str]) -> int:
     connect(None if args.ray == "local" else args.ray)
     serve.start(http_options={"host": args.host, "port": args.port, "location": "HeadOnly"})
     serve.run(application(args, settings, keys), name="swarmkv", route_prefix="/")
-    print(f"swarmkv serve: {settings.served_name} on Ray Serve, {args.replicas} replicas routed by "
+    print(f"swarmkv serve: {settings.served_names} on Ray Serve, {args.replicas} replicas routed by "
           f"{args.route}, on http://{args.host}:{args.port}/v1", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -49,6 +49,11 @@ class Settings:
     def served_name(self) -> str:
         return self.name or self.model
 
+    @property
+    def served_names(self) -> str:
+        """Every id clients may send, for a log line."""
+        return ", ".join(name for _, name in self.served())
+
     def served(self) -> list[tuple[str, str]]:
         """(model as given, the id clients send) of every model served."""
         return [(self.model, self.served_name)] + [(m, m) for m in self.models[1:]]
@@ -150,8 +155,8 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
     flag("host-cache-mib", type=int, default=d.host_cache_mib, metavar="MIB",
          help="host RAM for the KV of cached prefixes the pool evicts for room: a later request "
               "over the same document restores it instead of prefilling, when restoring has "
-              "measured cheaper; when full, the oldest go on to --cache-dir if set (default: an "
-              "eighth of this machine's RAM, at most 4096; 0: off)")
+              "measured cheaper; when full, the oldest go on to --cache-dir if set; split evenly "
+              "between several --model (default: an eighth of this machine's RAM, at most 4096; 0: off)")
     flag("share-prefixes", action="store_true",
          help="let every key reuse every key's cached prefixes (off: a cached prefix's speed would "
               "tell one key what another asked)")
