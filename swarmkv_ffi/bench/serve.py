@@ -21,7 +21,7 @@ warm-up request:
     scale       N agents at once (16..256) over one document and over four, ours on its
                 defaults against llama-server -np N (serve_scale.py says how)
     tiers       an evicted document back from host RAM or disk against prefilling it
-                again, ours alone (serve_tiers.py)
+                again, and against llama-server's --cache-ram (serve_tiers.py)
     preempt     a request preempted for room: its KV to host RAM and back, or re-read,
                 in process, ours alone (serve_preempt.py)
     models      two models x N agents at once behind one endpoint, against llama-server's
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     from .serve_keys import ATTACKS
     if not set(args.attacks.split(",")) <= set(ATTACKS) or not set(args.keys_rows.split(",")) <= {"together", "attacks", "oracle"}:
         ap.error(f"--attacks takes some of {', '.join(ATTACKS)}; --keys-rows some of together, attacks, oracle")
-    if {"at_once", "one_by_one", "turns", "structured", "scale", "models"} & set(wanted):   # (exact and overhead: ours alone)
+    if {"at_once", "one_by_one", "turns", "structured", "scale", "models", "tiers"} & set(wanted):   # (exact and overhead: ours alone)
         args.server = server_binary(args.server, "swarmkv bench serve")
         if args.server is None:
             return 2
