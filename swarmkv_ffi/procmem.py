@@ -5,5 +5,10 @@ import os
 
 
 def rss_bytes() -> int:
-    with open(f"/proc/{os.getpid()}/statm") as f:
+    return rss_of(os.getpid())
+
+
+def rss_of(pid: int) -> int:
+    """The resident memory of process `pid`, in bytes."""
+    with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -33,9 +33,10 @@ LAYERS: list[list[str]] = [
     ["conductor.agents", "conductor.access"],                           # the Conductor
     ["conductor.requests", "conductor.server"],                         # its two doors: requests, the socket
     ["serve", "serve.schemas", "serve.keys", "serve.text", "serve.routing", "serve.persist", "serve.templates",
-     "serve.guard", "serve.metrics", "serve.sizing"],
+     "serve.guard", "serve.metrics", "serve.sizing", "serve.lineup"],
     ["serve.errors", "serve.settings", "serve.structured"],
     ["serve.hosted"],                                                   # one model: its pool, tier, size
+    ["serve.loading"],                                                  # load on demand, unload when idle
     ["serve.engine"],                                                   # serve/ on conductor.requests
     ["serve.calls"],
     ["serve.responses"],

@@ -24,8 +24,9 @@ warm-up request:
                 again, and against llama-server's --cache-ram (serve_tiers.py)
     preempt     a request preempted for room: its KV to host RAM and back, or re-read,
                 in process, ours alone (serve_preempt.py)
-    models      two models x N agents at once behind one endpoint, against llama-server's
-                router mode (serve_models.py)
+    models      three models x N agents at once behind one endpoint, against llama-server's
+                router mode; then where only two fit, loaded and unloaded on demand
+                (serve_models.py)
 
 Reported: wall seconds per side, llama-server's / ours, tokens, prompt tokens served from
 cache (usage.prompt_tokens_details.cached_tokens, where a side reports it), and how many

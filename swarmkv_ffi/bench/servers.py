@@ -9,11 +9,12 @@ from .peer import HttpServer, Server
 
 def ours(args, cells: int | None, exact: bool = False, extra: tuple[str, ...] = (),
          models: tuple[str, ...] | None = None) -> HttpServer:
-    """`swarmkv serve` on a free loopback port serving `models` (default: --model): a pool
+    """`swarmkv serve` on a free loopback port serving `models` (default: --model; none:
+    `extra` names them, --models-dir): a pool
     of `cells` each (at least the 512 it takes) and 128 sequences, or (None) its own
     defaults for both; `extra` flags after."""
     size = [] if cells is None else ["--ctx-size", str(max(512, cells)), "--parallel", "128"]
-    chosen = [x for m in (models or (args.model,)) for x in ("--model", m)]
+    chosen = [x for m in (models if models is not None else (args.model,)) for x in ("--model", m)]
     return HttpServer(lambda port: [sys.executable, "-m", "swarmkv_ffi.cli", "serve", *chosen,
                                     "--port", str(port), "--threads", str(args.threads), *size]
                       + (["--exact"] if exact else []) + list(extra), "swarmkv serve")

@@ -105,3 +105,14 @@ def read_text(fd: int, name: str) -> str:
         return b"".join(chunks).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConductorError("BAD_PREFIX", f"{name} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+
+
+def check_models_dir(folder: Path) -> None:
+    """An operator's model folder must be theirs: not writable by anyone else, or any
+    user could plant a file there for everyone to load."""
+    st = folder.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"--models-dir {folder} is not a folder")
+    if st.st_uid not in (0, os.getuid()) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ValueError(f"--models-dir {folder} is owned by uid {st.st_uid} or writable by others "
+                         f"(mode {stat.S_IMODE(st.st_mode):o}); use a folder only the daemon's user can write")

@@ -18,12 +18,16 @@ conversations (policy.py, ledger.py, pool.py); the caller only says who asks wha
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
-from .agents import Agent, Conductor, ConductorError, ContextFull, check_context
+from . import sandbox
+from .agents import Agent, Conductor, ConductorError, ContextFull, check_context, named_source
 from .kept import PrefixStore
+from .modelfile import LoadableCopy
 from .pool import MAX_SEQS, Fixed, Kind, NoRoom
 from .scheduler import Run, Stopping
 
@@ -31,7 +35,7 @@ from .scheduler import Run, Stopping
 #: sequences a pool takes, and the four ways a request is refused (ContextFull is a
 #: ConductorError; NoRoom: nothing running would free what it needs).
 __all__ = ["MAX_SEQS", "ConductorError", "ContextFull", "NoRoom", "PrefixStore", "Request", "RequestPool",
-           "RequestResult", "Stopping"]
+           "RequestResult", "Stopping", "vetted"]
 
 _pool_ids = itertools.count(1)
 
@@ -151,3 +155,15 @@ class RequestPool:
     def close(self) -> None:
         """Free the pool and its booking. Call once no request of it is running."""
         self.conductor.close_request_pool(self.reservation)
+
+
+def vetted(model: str) -> Path:
+    """The file of `model` (a packaged short name or a path), loaded first in a sandboxed
+    child unless it is a packaged one (sandbox.py), as the conductor loads a client's
+    file: a crafted GGUF that crashes libllama's loader fails with the cause, and the
+    process goes on. Read it before sizing a pool from the file, which opens it here."""
+    source = named_source(model)
+    if not source.trusted:
+        with source.open() as (mf, sent), LoadableCopy(mf, sent) as fd:
+            sandbox.check(mf, fd, os.getuid())
+    return source.path

@@ -33,7 +33,7 @@ from typing import Protocol
 
 from ..errors import SwarmKVError, describe
 from . import protocol
-from .access import Access
+from .access import Access, check_models_dir
 from .agents import Conductor, ConductorError
 from .estimate import load_table
 from .ledger import Ledger, LedgerDenied
@@ -429,17 +429,6 @@ class Server:
                              **({"owner": a.owner} if every else {}))
                  for a in c.owned_by(None if every else uid)]
         return protocol.ok("LIST", lines, agents=len(lines))
-
-
-def check_models_dir(folder: Path) -> None:
-    """An operator's model folder must be theirs: not writable by anyone else, or any
-    user could plant a file there for everyone to load."""
-    st = folder.stat()
-    if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"--models-dir {folder} is not a folder")
-    if st.st_uid not in (0, os.getuid()) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ValueError(f"--models-dir {folder} is owned by uid {st.st_uid} or writable by others "
-                         f"(mode {stat.S_IMODE(st.st_mode):o}); use a folder only the daemon's user can write")
 
 
 def default_swap_budget() -> int:

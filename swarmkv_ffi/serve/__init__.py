@@ -12,12 +12,14 @@ Lowest first (tests/test_layers.py holds the same order):
     guard.py      uvicorn's protocol with a deadline for a request's headers, an idle cap per address
     metrics.py    /metrics in Prometheus' format (prometheus-client): the operator's view, a key's own
     sizing.py     the pool's default --ctx-size (model, memory budget) and the host tier's --host-cache-mib
+    lineup.py     the models served, one ModelSpec per id: --model, --models-dir, --models-preset (TOML)
     errors.py     every failure as OpenAI's error JSON (Refused), for the app and on_ray
     settings.py   the server's settings and their flags, written once for every front
     structured.py response_format, tools and grammar: the grammar a request's output follows,
                   and the answer read back as content or tool calls
     hosted.py     one hosted model: its RequestPool, the host-RAM tier below it, how its size was chosen
-    engine.py     the hosted models (--model, repeated) on one conductor; choices in flight per key; draining
+    loading.py    models loaded on a request's demand under the ledger, unloaded when idle (LRU, keep_alive)
+    engine.py     the served models on one conductor; choices in flight per key; draining
     calls.py      one request in flight: its choices on threads, their events for the loop
     responses.py  a call as chat.completion / text_completion objects, whole or streamed
     routes.py     the routes: who asks what, to the engine, and the answer

@@ -11,8 +11,8 @@ import asyncio
 import threading
 
 from .engine import Job, ServeEngine
-from .hosted import HostedModel
 from .errors import refused
+from .loading import Use
 from .schemas import CachedTokens, Sampling, TokenLogprob, TopLogprob, Usage
 from .structured import Structure
 from .text import TextStream
@@ -36,27 +36,35 @@ class Choice:
 
 
 class Call:
-    """One request's choices, of `owner`'s, to the `hosted` model, each with `max_tokens`."""
+    """One request's choices, of `owner`'s, each with `max_tokens`, to the model `use`
+    holds loaded: the call releases it once its last choice has ended (or start fails)."""
 
-    def __init__(self, engine: ServeEngine, hosted: HostedModel, owner: int, body: Sampling,
+    def __init__(self, engine: ServeEngine, use: Use, owner: int, body: Sampling,
                  prompts: list[list[int]], max_tokens: int, loop: asyncio.AbstractEventLoop,
                  structure: Structure | None = None):
-        self.engine, self.hosted, self.owner, self.body = engine, hosted, owner, body
+        self.engine, self.use, self.hosted, self.owner, self.body = engine, use, use.hosted, owner, body
         self.structure = structure or Structure()
         self.prompts, self.max_tokens = prompts, max_tokens
         self.queue: asyncio.Queue = asyncio.Queue()
         self.loop = loop
         self.choices: list[Choice] = []
         self.jobs: list[Job] = []
+        self._left = 0                    # choices not ended
+        self._lock = threading.Lock()
 
     def start(self) -> None:
         """Admit every choice (or refuse the request whole) and start them."""
         n = self.body.n
-        self.engine.admit(self.owner, n * len(self.prompts))
+        try:
+            self.engine.admit(self.owner, n * len(self.prompts))
+        except BaseException:
+            self.use.release()
+            raise
+        self._left = n * len(self.prompts)
         for p, tokens in enumerate(self.prompts):
             for k in range(n):
                 choice = Choice(p * n + k, TextStream(self.hosted.model, self.body.stops()))
-                job = Job(self.hosted.name, self.owner, tokens, self.max_tokens, self._on_token(choice),
+                job = Job(self.hosted, self.owner, tokens, self.max_tokens, self._on_token(choice),
                           sampling=self.body.settings(k, self.max_tokens), top_logprobs=self.body.ranked(),
                           grammar=self.structure.grammar)
                 self.choices.append(choice)
@@ -98,6 +106,11 @@ class Call:
         finally:
             self.engine.tally.ended(self.owner, choice.result, len(job.tokens), choice.index % self.body.n == 0)
             self.engine.leave(self.owner, 1)
+            with self._lock:
+                self._left -= 1
+                last = not self._left
+            if last:
+                self.use.release()
             self.loop.call_soon_threadsafe(self.queue.put_nowait, ("end", choice, None))
 
     def cancel(self) -> None:

@@ -80,14 +80,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def announce(engine, settings: Settings, where: str) -> None:
-    """The startup log: each hosted model, its size and why, where its evicted prefixes go."""
+    """The startup log: each model loaded, its size and why, where its evicted prefixes
+    go; each model loaded on demand and how long it stays."""
     def say(line: str) -> None:
         print(f"swarmkv serve: {line}", file=sys.stderr, flush=True)
-    mode = "exact" if settings.exact else "fast"
     below = f", then to {settings.cache_dir}" if settings.cache_dir is not None else ""
-    for name, hosted in engine.hosted.items():
-        tier = hosted.host_tier
-        say(f"{name} ({hosted.pool.path.name}, {mode} mode, {hosted.cells} cells, {settings.parallel} sequences)")
+    for entry in engine.models.entries:
+        names, spec, hosted = ", ".join(entry.names), entry.spec, entry.hosted
+        if hosted is None:
+            stay = "until its memory is needed" if spec.keep_alive == float("inf") else f"{spec.keep_alive:g} s idle"
+            say(f"{names} ({spec.model}): loaded on its first request, kept {stay}")
+            continue
+        tier, mode = hosted.host_tier, "exact" if spec.exact else "fast"
+        say(f"{names} ({hosted.pool.path.name}, {mode} mode, {hosted.cells} cells, {spec.parallel} sequences"
+            f"{', pinned' if spec.pinned else ''})")
         if hosted.sized is not None:
             say(f"  --ctx-size {hosted.sized.cells}: {hosted.sized.why}")
         say(f"  evicted prefixes go to host RAM ({tier.limit >> 20} MiB, --host-cache-mib){below}" if tier is not None

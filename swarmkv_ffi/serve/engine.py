@@ -1,10 +1,11 @@
 """The served models: requests of API keys' owners run on a conductor's request pools.
 
 The server runs on an lmxd Conductor (ledger, scheduler, fair policy): its own for
-`swarmkv serve`, lmxd's for `lmxd --http`. At start it opens, for each `--model`, a
-RequestPool (conductor/requests.py, through hosted.py) of `--ctx-size` cells, which
-loads the model and books its weights and every cell in the ledger, once. Each choice
-of a request is then submitted to the pool of the model it names, as the request's
+`swarmkv serve`, lmxd's for `lmxd --http`. Each model it serves (lineup.py) gets a
+RequestPool (conductor/requests.py, through hosted.py), which loads the model and books
+its weights and every cell in the ledger, once: at start for each `--model`, on its
+first request for the others, which are unloaded again when idle (loading.py). Each
+choice of a request is submitted to the pool of the model it names, as the request's
 owner's; the pool forks the longest prefix it already holds and decodes the rest with
 the others in one batch. This module adds what only an HTTP server has: a cap on
 choices in flight per key and in all (every model's together), a stopping state, and
@@ -27,6 +28,7 @@ from .errors import Refused, refused
 from . import sizing
 from .hosted import HostedModel
 from .keys import Keys
+from .loading import Loadable, Loader, Use
 from .metrics import Tally
 from .persist import PrefixStore
 from .settings import Settings
@@ -34,10 +36,10 @@ from .settings import Settings
 
 @dataclass
 class Job:
-    """One choice of one request, to the hosted model named `model`. on_token(token,
+    """One choice of one request, to the loaded `model`. on_token(token,
     logprobs) runs on the scheduler's thread after each generated token and returns False
     to end the choice there (a stop string)."""
-    model: str
+    model: HostedModel
     owner: int
     tokens: list[int]
     max_tokens: int
@@ -61,16 +63,14 @@ class ServeEngine:
         self.memory = None if conductor is not None else DeviceMemory(budget_bytes=budget_bytes)
         self.conductor = conductor or Conductor(Ledger(self.memory.budget), n_threads=threads,
                                                 policy=Policy(lone_step_seconds=None))
-        self.hosted: dict[str, HostedModel] = {}      # the id clients send -> its model, in --model order
+        self.models = Loader(settings.specs(), self._open)
+        self.host_bytes = sizing.host_cache_bytes(settings.host_cache_mib) // len(self.models.entries)
         try:
             cache = PrefixCache.open_optional(settings.cache_dir) if settings.cache_dir is not None else None
             self.disk = PrefixStore(cache, keys.key_of) if cache is not None else None
-            host_bytes = sizing.host_cache_bytes(settings.host_cache_mib) // len(settings.models)
-            for model, name in settings.served():
-                self.hosted[name] = HostedModel.open(self.conductor, settings, model, name, self.disk, host_bytes)
+            self.models.start()
         except BaseException:
-            for hosted in self.hosted.values():
-                hosted.close()               # what opened before the failure is booked no more
+            self.models.stop()               # what opened before the failure is booked no more
             if self.memory is not None:
                 self.conductor.shutdown(0)
                 self.conductor.close()
@@ -84,17 +84,38 @@ class ServeEngine:
         self.tally = Tally()                     # each key's request and token counters (/metrics)
         self.stopping = False
 
-    def model_named(self, name: str) -> HostedModel:
-        """The hosted model clients call `name`; 404 in OpenAI's words naming those served."""
-        if name not in self.hosted:
-            raise Refused(404, f"The model `{name}` does not exist; this server serves "
-                          f"{', '.join(f'`{n}`' for n in self.hosted)}", "model_not_found", "model")
-        return self.hosted[name]
+    def _open(self, spec) -> HostedModel:
+        """Load and book one model's pool (the loader's thread, or start)."""
+        return HostedModel.open(self.conductor, spec, self.settings, self.disk, self.host_bytes)
 
-    @property
-    def max_context(self) -> int:
-        """The most cells any hosted model's request may take (prompt plus max_tokens)."""
-        return max(h.max_context for h in self.hosted.values())
+    def model_named(self, name: str) -> Loadable:
+        """The model clients call `name`; 404 in OpenAI's words naming those served."""
+        if name not in self.models.named:
+            raise Refused(404, f"The model `{name}` does not exist; this server serves "
+                          f"{', '.join(f'`{n}`' for n in self.models.named)}", "model_not_found", "model")
+        return self.models.named[name]
+
+    async def use(self, owner: int, name: str, keep_alive: float | None = None) -> Use:
+        """Hold the model clients call `name` loaded for one of owner's requests (loading
+        it first, the request queued meanwhile, counted as one choice in flight of its
+        key's: a key cannot pile up waiting bodies). 404 for a name not served, 429/503 as
+        admit(), the load's error if it fails. Release the Use when the request has ended."""
+        entry = self.model_named(name)
+        self.admit(owner, 1)
+        try:
+            return await self.models.use(entry, keep_alive)
+        finally:
+            self.leave(owner, 1)
+
+    def loaded(self) -> list[tuple[str, HostedModel]]:
+        """(its first id, the model) of each model loaded now."""
+        return [(e.names[0], e.hosted) for e in self.models.loaded()]
+
+    def bounds(self) -> list[tuple[int, int]] | None:
+        """(max context, longest token's characters) of every model served, or None while
+        some model has never been loaded (what its vocabulary holds is not known yet)."""
+        known = [e.bounds for e in self.models.entries]
+        return None if None in known else known
 
     def admit(self, owner: int, n: int) -> None:
         """Count n choices in flight for owner, or refuse (400: more than a key may ever
@@ -136,8 +157,7 @@ class ServeEngine:
         with self._lock:
             self._job_of[id(job)] = job
         try:
-            pool = self.hosted[job.model].pool
-            result = pool.submit(job.owner, job.tokens, job.max_tokens, sampling=job.sampling,
+            result = job.model.pool.submit(job.owner, job.tokens, job.max_tokens, sampling=job.sampling,
                                  top_logprobs=job.top_logprobs, on_token=job.on_token,
                                  cancelled=job.cancelled, grammar=job.grammar).result()
         except Exception as exc:
@@ -178,9 +198,9 @@ class ServeEngine:
         if self.memory is None:
             with self._idle:
                 self._idle.wait_for(lambda: not self._running)
-            for hosted in self.hosted.values():
-                hosted.close()              # (lmxd's ledgers are the daemon's to book again)
+            self.models.stop()              # (lmxd's ledgers are the daemon's to book again)
             return
+        self.models.stop_loading()
         self.conductor.shutdown(grace_s)
         self.conductor.close()
         self.memory.close()

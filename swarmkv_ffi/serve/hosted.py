@@ -1,9 +1,10 @@
-"""One model the server hosts: its request pool on the conductor, the tier below its
+"""One model the server has loaded: its request pool on the conductor, the tier below its
 cells, and how its size was chosen.
 
 `swarmkv serve --model A --model B` hosts each on the one conductor (one ledger, one
 scheduler): each model gets a RequestPool of its own (conductor/requests.py), sized from
-what the ledger has left when it opens (sizing.py), with a host-RAM tier for its evicted
+the memory budget as if it were alone (sizing.py: a quarter of it at most, so what one
+model gets never depends on which loaded first), with a host-RAM tier for its evicted
 prefixes (conductor/tiers.py: KV of one model is no use to another) over the disk store
 the models share (persist.py; entries are keyed by model); the tiers split
 --host-cache-mib evenly. The pools stay open side by side (the scheduler never closes a
@@ -14,12 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import catalog
 from ..conductor.agents import Conductor
-from ..conductor.requests import ContextFull, PrefixStore, RequestPool
+from ..conductor.requests import ContextFull, PrefixStore, RequestPool, vetted
 from ..conductor.tiers import HostTier
 from . import sizing, templates
 from .errors import context_exceeded
+from .lineup import ModelSpec
 from .settings import Settings
 
 
@@ -35,23 +36,29 @@ class HostedModel:
     default_max_tokens: int
 
     @classmethod
-    def open(cls, conductor: Conductor, settings: Settings, model: str, name: str,
+    def open(cls, conductor: Conductor, spec: ModelSpec, settings: Settings,
              disk: PrefixStore | None, host_bytes: int) -> "HostedModel":
-        """Book and open `model`'s pool as `settings` say (its size from what the ledger
-        has left, unless --ctx-size), with a host tier of `host_bytes` (0: none)."""
-        sized = None if settings.ctx_size is not None else sizing.for_model(
-            catalog.resolve(model), conductor.ledger.limit() - conductor.ledger.allocated)
-        cells = settings.ctx_size if sized is None else sized.cells
+        """Book and open `spec`'s pool (its size from the memory budget unless it names
+        one), with a host tier of `host_bytes` (0: none). Raises ledger.LedgerDenied when
+        the ledger has no room for it now; anything else when the model cannot load."""
+        path = vetted(spec.model)
+        sized = None if spec.ctx_size is not None else sizing.for_model(path, conductor.ledger.limit())
+        cells = spec.ctx_size if sized is None else sized.cells
         tier = HostTier(conductor.swap, host_bytes, below=disk) if host_bytes else None
-        pool = RequestPool(conductor, model, cells=cells, seqs=settings.parallel, exact=settings.exact,
+        pool = RequestPool(conductor, spec.model, cells=cells, seqs=spec.parallel, exact=spec.exact,
                            share=settings.share_prefixes, store=tier or disk)
         templates.longest_token(pool.model)      # its vocabulary read now, not by the first request
-        return cls(name, pool, cells, sized, tier, settings.default_max_tokens)
+        return cls(spec.name, pool, cells, sized, tier, settings.default_max_tokens)
 
     @property
     def model(self):
         """The loaded Model (tokenizer, chat template, token bytes)."""
         return self.pool.model
+
+    @property
+    def longest_token(self) -> int:
+        """The most characters one token of its vocabulary spells."""
+        return templates.longest_token(self.model)
 
     @property
     def max_context(self) -> int:
@@ -76,3 +83,4 @@ class HostedModel:
         self.pool.close()
         if self.host_tier is not None:
             self.host_tier.clear()
+

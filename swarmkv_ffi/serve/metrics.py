@@ -96,10 +96,32 @@ class _Collector:
         if owner is not None:
             return                          # the pool's figures are every key's traffic
         yield _gauge("requests_waiting", "Choices waiting for a seat in a pool", engine.conductor.scheduler.waiting())
-        yield from _pools(engine.hosted)
+        ledger = engine.conductor.ledger
+        memory = GaugeMetricFamily("swarmkv_memory_bytes", "The memory ledger: bytes booked (weights, cells, "
+                                   "compute buffers of every loaded model) and its limit", labels=["state"])
+        memory.add_metric(["booked"], ledger.allocated)
+        memory.add_metric(["limit"], ledger.limit())
+        yield memory
+        yield from _models(engine.models.entries)
+        yield from _pools(engine.loaded())
 
 
-def _pools(hosted: dict):
+def _models(entries):
+    """Each served model's state and how many times it was loaded and unloaded."""
+    label = ["model"]
+    loaded = GaugeMetricFamily("swarmkv_model_loaded", "1 while the model is loaded, else 0", labels=label)
+    loads = CounterMetricFamily("swarmkv_model_loads", "Times the model was loaded (at start or on demand)",
+                                labels=label)
+    unloads = CounterMetricFamily("swarmkv_model_unloads", "Times the model was unloaded (idle past its "
+                                  "keep_alive, or its memory needed by another model)", labels=label)
+    for entry in entries:
+        loaded.add_metric([entry.names[0]], entry.state == "loaded")
+        loads.add_metric([entry.names[0]], entry.loads)
+        unloads.add_metric([entry.names[0]], entry.unloads)
+    yield from (loaded, loads, unloads)
+
+
+def _pools(hosted: list):
     """Each hosted model's pool (label `model`): its cells, sequences, opens, host tier and steps."""
     label = ["model"]
     cells = GaugeMetricFamily("swarmkv_kv_cells", "A request pool's KV cells, by state: all of them, free, "
@@ -117,7 +139,7 @@ def _pools(hosted: dict):
     rows = CounterMetricFamily("swarmkv_step_rows", "Batch rows the steps carried, by kind", labels=label + ["kind"])
     per_step = HistogramMetricFamily("swarmkv_step_decode_rows", "Decode rows per step (requests generating "
                                      "together)", labels=label)
-    for name, model in hosted.items():
+    for name, model in hosted:
         stats = model.pool.stats()
         for state, key in (("total", "cells"), ("free", "cells_free"), ("running", "cells_running"),
                            ("kept", "cells_kept")):

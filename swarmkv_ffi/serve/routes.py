@@ -26,7 +26,7 @@ from .keys import OPEN, Keys, bearer
 from .metrics import CONTENT_TYPE as METRICS_TYPE
 from .metrics import render as metrics_text
 from .responses import ChatShape, CompletionShape, sse
-from .schemas import ChatRequest, CompletionRequest, ModelCard, ModelList, bad_text
+from .schemas import ChatRequest, CompletionRequest, ModelCard, ModelList, ModelStatus, bad_text
 from .settings import Settings
 
 
@@ -87,9 +87,16 @@ async def metrics(request: Request):
 
 
 async def models(request: Request):
+    """Every model id served, with its state (loaded, loading, unloaded, failed: why)."""
     owner_of(request)
     s = served(request)
-    return ModelList(data=[ModelCard(id=name, created=s.created) for name in s.engine.hosted]).model_dump()
+    cards = []
+    for name, entry in s.engine.models.named.items():
+        status = ModelStatus(value=entry.state, pinned=entry.spec.pinned)
+        if entry.state == "failed":
+            status.error = str(entry.error)
+        cards.append(ModelCard(id=name, created=s.created, status=status))
+    return ModelList(data=cards).model_dump()
 
 
 # ---- POST --------------------------------------------------------------------------------
@@ -99,12 +106,18 @@ async def chat(request: Request):
     s = served(request)
     async with s.preparing(who):
         body = await read_body(request, ChatRequest, s)
-        hosted = s.engine.model_named(body.model)
-        structure = structured.plan(body, parallel_default=templates.model_knows_tools(hosted.model))
-        tokens = await asyncio.to_thread(chat_tokens, hosted, body, structure)
-    call = Call(s.engine, hosted, who, body, [tokens], hosted.max_tokens_for([tokens], body.limit(), "messages"),
-                asyncio.get_running_loop(), structure)
-    return await answer(request, call, ChatShape(hosted.name))
+    use = await s.engine.use(who, body.model, body.keep_alive)
+    try:
+        hosted = use.hosted
+        async with s.preparing(who):
+            structure = structured.plan(body, parallel_default=templates.model_knows_tools(hosted.model))
+            tokens = await asyncio.to_thread(chat_tokens, hosted, body, structure)
+        call = Call(s.engine, use, who, body, [tokens],
+                    hosted.max_tokens_for([tokens], body.limit(), "messages"), asyncio.get_running_loop(), structure)
+    except BaseException:
+        use.release()
+        raise
+    return await answer(request, call, ChatShape(body.model))
 
 
 async def completions(request: Request):
@@ -112,15 +125,21 @@ async def completions(request: Request):
     s = served(request)
     async with s.preparing(who):
         body = await read_body(request, CompletionRequest, s)
-        hosted = s.engine.model_named(body.model)
         if body.echo or body.suffix:
             raise Refused(400, "echo and suffix are not supported", "unsupported_parameter",
                           "echo" if body.echo else "suffix")
-        structure = structured.plan(body)
-        prompts = await asyncio.to_thread(completion_tokens, hosted, body, structure)
-    call = Call(s.engine, hosted, who, body, prompts, hosted.max_tokens_for(prompts, body.limit(), "prompt"),
-                asyncio.get_running_loop(), structure)
-    return await answer(request, call, CompletionShape(hosted.name))
+    use = await s.engine.use(who, body.model, body.keep_alive)
+    try:
+        hosted = use.hosted
+        async with s.preparing(who):
+            structure = structured.plan(body)
+            prompts = await asyncio.to_thread(completion_tokens, hosted, body, structure)
+        call = Call(s.engine, use, who, body, prompts, hosted.max_tokens_for(prompts, body.limit(), "prompt"),
+                    asyncio.get_running_loop(), structure)
+    except BaseException:
+        use.release()
+        raise
+    return await answer(request, call, CompletionShape(body.model))
 
 
 # ---- what the POST routes share -------------------------------------------------------------
@@ -153,9 +172,10 @@ async def read_body(request: Request, schema, s: Served):
     Content-Length."""
     settings = s.settings
     size = declared_length(request)
-    if size is not None and body_bound(s.engine) < size <= settings.max_body_bytes:
+    bound = body_bound(s.engine)
+    if size is not None and bound is not None and bound[0] < size <= settings.max_body_bytes:
         raise Refused(400, f"the body is {size} bytes: no text this long fits the context of "
-                      f"{s.engine.max_context} tokens", "context_length_exceeded")
+                      f"{bound[1]} tokens", "context_length_exceeded")
     try:
         async with asyncio.timeout(settings.read_timeout):
             raw = await capped_body(request, settings.max_body_bytes)
@@ -165,11 +185,15 @@ async def read_body(request: Request, schema, s: Served):
     return await asyncio.to_thread(parse_body, raw, schema)
 
 
-def body_bound(engine: ServeEngine) -> int:
-    """The most bytes a body can take whose text could fit the context of some hosted
-    model: every character as a 6-byte JSON escape, and 1 MiB for the rest (schemas,
-    token lists, fields)."""
-    return max(6 * (h.max_context + 1) * templates.longest_token(h.model) for h in engine.hosted.values()) + (1 << 20)
+def body_bound(engine: ServeEngine) -> tuple[int, int] | None:
+    """(the most bytes a body can take whose text could fit the context of some served
+    model, that largest context): every character as a 6-byte JSON escape, and 1 MiB for
+    the rest (schemas, token lists, fields). None while a model has never been loaded:
+    its vocabulary is not known (its check_length still runs before tokenizing)."""
+    bounds = engine.bounds()
+    if bounds is None:
+        return None
+    return max(6 * (ctx + 1) * longest for ctx, longest in bounds) + (1 << 20), max(ctx for ctx, _ in bounds)
 
 
 def parse_body(raw: bytes, schema):

@@ -17,6 +17,8 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from .lineup import keep_alive_seconds
+
 MAX_N = 16
 MAX_STOP = 4
 MAX_LOGIT_BIAS = 300            # OpenAI's own limit on logit_bias entries
@@ -186,6 +188,12 @@ class Sampling(BaseModel):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     grammar: str | None = None                               # llama-server's extra: GBNF or Lark
+    keep_alive: Union[float, str, None] = None               # Ollama's: the model's idle time after this
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _duration(cls, v):
+        return None if v is None else keep_alive_seconds(v)
 
     @field_validator("stop")
     @classmethod
@@ -413,11 +421,21 @@ class Completion(Shape):
     usage: Optional[Usage] = None
 
 
+class ModelStatus(Shape):
+    """Where the model is, as llama-server's router mode says it (`value`), and why a
+    load failed."""
+    omit_unset = frozenset({"error"})
+    value: Literal["unloaded", "loading", "loaded", "unloading", "failed"]
+    pinned: bool = False
+    error: Optional[str] = None
+
+
 class ModelCard(Shape):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "swarmkv"
+    status: Optional[ModelStatus] = None
 
 
 class ModelList(Shape):

@@ -16,13 +16,17 @@ from pathlib import Path
 
 from .. import catalog
 from ..conductor.requests import MAX_SEQS
+from . import lineup
 from .keys import OPEN, Keys
 
 
 @dataclass(frozen=True)
 class Settings:
-    models: tuple[str, ...] = (catalog.DEFAULT_MODEL,)   # --model, once per model served
+    models: tuple[str, ...] = ()             # --model, once per model loaded at start (none: the default)
     name: str | None = None                  # the model id clients send (one model; default: as given)
+    models_dir: Path | None = None           # every .gguf in it, loaded on demand (lineup.py)
+    models_preset: Path | None = None        # a TOML file of models and their settings (lineup.py)
+    keep_alive: str | None = None            # on-demand models' idle time before unloading (None: for room only)
     ctx_size: int | None = None              # the pool's KV cells (None: sizing.py chooses)
     parallel: int = MAX_SEQS - 1             # the pool's sequences: llama.cpp's most
     exact: bool = False
@@ -41,22 +45,25 @@ class Settings:
     metrics_key: str | None = None           # a scrape with it sees the whole server's /metrics
 
     @property
-    def model(self) -> str:
-        """The first model (the one a single-model front serves)."""
-        return self.models[0]
-
-    @property
-    def served_name(self) -> str:
-        return self.name or self.model
-
-    @property
     def served_names(self) -> str:
         """Every id clients may send, for a log line."""
-        return ", ".join(name for _, name in self.served())
+        return ", ".join(spec.name for spec in self.specs())
 
-    def served(self) -> list[tuple[str, str]]:
-        """(model as given, the id clients send) of every model served."""
-        return [(self.model, self.served_name)] + [(m, m) for m in self.models[1:]]
+    def specs(self) -> list[lineup.ModelSpec]:
+        """Every model id clients may send and how its pool is made (lineup.py): each
+        --model, loaded at start and pinned (the default model when nothing names any),
+        then --models-dir's and --models-preset's, loaded on demand unless the preset
+        says otherwise."""
+        keep = lineup.FOREVER if self.keep_alive is None else lineup.keep_alive_seconds(self.keep_alive)
+        base = lineup.ModelSpec("", "", self.ctx_size, self.parallel, self.exact, keep)
+        models = self.models or (() if self.models_dir or self.models_preset else (catalog.DEFAULT_MODEL,))
+        specs = [dataclasses.replace(base, name=self.name if self.name and i == 0 else m, model=m,
+                                     pinned=True, at_start=True) for i, m in enumerate(models)]
+        if self.models_dir is not None:
+            specs += lineup.from_dir(self.models_dir, base)
+        if self.models_preset is not None:
+            specs += lineup.from_preset(self.models_preset, base)
+        return specs
 
     def check(self) -> None:
         """A clear ValueError for a setting that cannot work, before anything loads."""
@@ -64,6 +71,8 @@ class Settings:
             raise ValueError("--name renames a single --model; with several, clients send each as given")
         if len(set(self.models)) != len(self.models):
             raise ValueError(f"a --model is given twice: {', '.join(self.models)}")
+        if self.keep_alive is not None:
+            lineup.keep_alive_seconds(self.keep_alive)
         if self.ctx_size is not None and self.ctx_size < 512:
             raise ValueError(f"--ctx-size must be at least 512 cells, got {self.ctx_size}")
         if not 2 <= self.parallel <= MAX_SEQS - 1:
@@ -77,6 +86,7 @@ class Settings:
         if not 0 < self.read_timeout <= 3600 or self.idle_connections_per_address < 1:
             raise ValueError("--read-timeout must be in (0, 3600] seconds and "
                              "--idle-connections-per-address at least 1")
+        lineup.check(self.specs())
 
     def per_key(self, n_keys: int) -> int:
         """Choices one key may have running or queued: as set, else all of --max-requests
@@ -109,7 +119,7 @@ class Settings:
         """The settings add_arguments(…, prefix) parsed into `args`."""
         dest = prefix.replace("-", "_")
         values = {f.name: getattr(args, dest + f.name) for f in dataclasses.fields(cls)}
-        values["models"] = tuple(values["models"] or DEFAULTS.models)   # --model appends, else the default
+        values["models"] = tuple(values["models"] or ())    # --model appends
         return cls(**values)
 
 
@@ -125,7 +135,19 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
     flag("model", dest=f"{prefix.replace('-', '_')}models", action="append", default=None, metavar="MODEL",
          help="a packaged short name or a path to a .gguf file; repeat it to serve several models from one "
               "endpoint, each with a pool of its own under one memory ledger, requests routed by their "
-              f"`model` field (default: {d.model})")
+              f"`model` field; each is loaded at start and stays loaded (default: {catalog.DEFAULT_MODEL}, "
+              "unless --models-dir or --models-preset names the models)")
+    flag("models-dir", type=Path, default=d.models_dir, metavar="DIR",
+         help="serve every .gguf file in DIR under its file name without .gguf, each loaded on its first "
+              "request (which waits, queued, meanwhile) and unloaded, least recently used first, when "
+              "another needs its memory and it runs nothing")
+    flag("models-preset", type=Path, default=d.models_preset, metavar="FILE",
+         help="a TOML file with one table per model id: model, ctx_size, parallel, exact, keep_alive, "
+              "pinned, load = \"start\" or \"demand\" (docs/serve.md); two ids of one file share its pool")
+    flag("keep-alive", default=d.keep_alive, metavar="DURATION",
+         help="how long a model loaded on demand stays loaded after its last request, as Ollama's "
+              "keep_alive: seconds or 30s/5m/1h, negative for until its memory is needed; a request's "
+              "own keep_alive field overrides it (default: until its memory is needed)")
     flag("name", default=d.name, help="the model id clients send, for a single --model (default: the model as given)")
     flag("ctx-size", type=int, default=d.ctx_size,
          help="KV cells of the pool: every running request's prompt + max_tokens and the cached "

@@ -1,0 +1,277 @@
+"""Models loaded on demand under the memory ledger, unloaded when idle.
+
+Every pool the server may serve (one or more model ids naming it, lineup.py) is a
+Loadable: unloaded, loading, loaded or failed. A request takes a Use of its model
+(Loader.use): at once when it is loaded, else it waits, queued, while the loader's
+thread loads it. Loading books the model's measured estimate in the ledger before it
+reads a byte (conductor.register); when the ledger has no room, the loader unloads the
+least recently used idle model (no request running or waiting, not pinned) and tries
+again, and with none idle it waits for one to become idle. A model idle past its
+keep_alive is unloaded by the same thread. Loads and unloads happen on that thread
+only: a request for a loaded model never waits for another model's load.
+
+A load that fails (a crafted file, a budget too small for the model) is that model's
+error: its waiting requests get it, the other models go on; the next request for it
+tries again (the file may have been replaced).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+
+from ..conductor.ledger import LedgerDenied
+from .errors import Refused
+from .hosted import HostedModel
+from .lineup import FOREVER, ModelSpec, pools
+
+log = logging.getLogger(__name__)
+
+UNLOADED, LOADING, LOADED, UNLOADING, FAILED = "unloaded", "loading", "loaded", "unloading", "failed"
+ROOM_WAIT_S = 0.5         # how often a load waiting for room looks again (besides being notified)
+
+
+class Loadable:
+    """One pool the server may serve, under every id that names it, and its state."""
+
+    def __init__(self, specs: list[ModelSpec]):
+        self.spec, self.names = specs[0], [s.name for s in specs]
+        self.state = UNLOADED
+        self.hosted: HostedModel | None = None
+        self.error: Refused | None = None      # why the last load failed
+        self.failures = 0                      # loads that failed, ever
+        self.uses = 0                          # requests holding it loaded
+        self.waiting = 0                       # requests waiting for it to load
+        self.fresh = False                     # loaded for waiting requests, none served yet
+        self.expires = FOREVER                 # when it is unloaded if still idle (time.monotonic)
+        self.last_used = 0.0
+        self.loads = self.unloads = 0
+        self.bounds: tuple[int, int] | None = None   # (max_context, longest token's chars) once loaded
+        self.wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+
+    @property
+    def idle(self) -> bool:
+        """Loaded and wanted by no request: it may be unloaded."""
+        return self.state == LOADED and self.uses == 0 and self.waiting == 0
+
+
+class Use:
+    """A request's hold on its loaded model; release() once, when the request has ended,
+    with the request's keep_alive (None: the model's)."""
+
+    def __init__(self, loader: "Loader", entry: Loadable, keep_alive: float | None):
+        self.loader, self.entry, self.keep_alive = loader, entry, keep_alive
+        self.hosted = entry.hosted
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.loader.release(self.entry, self.keep_alive)
+
+
+class Loader:
+    """Every pool the server may serve (from `specs`) on `conductor`, opened by
+    `open_hosted(spec)`; the thread that loads and unloads them."""
+
+    def __init__(self, specs: list[ModelSpec], open_hosted):
+        self.entries = [Loadable(group) for group in pools(specs)]
+        self.named = {name: entry for entry in self.entries for name in entry.names}
+        self._open = open_hosted
+        self._cond = threading.Condition()
+        self._queue: collections.deque[Loadable] = collections.deque()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="serve-loader")
+
+    def start(self) -> None:
+        """Load the models that load at start (raising the first failure), then start the
+        loader's thread."""
+        for entry in self.entries:
+            if entry.spec.at_start:
+                self._opened(entry, self._open(entry.spec))
+        self._thread.start()
+
+    def loaded(self) -> list[Loadable]:
+        with self._cond:
+            return [e for e in self.entries if e.state == LOADED]
+
+    # ---- a request's side --------------------------------------------------------------------
+    async def use(self, entry: Loadable, keep_alive: float | None = None) -> Use:
+        """Hold `entry` loaded for one request: at once if it is, else after the loader
+        has loaded it (the request waits meanwhile, costing no thread). Raises the
+        load's Refused if the load this request waited for failed."""
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            failures = entry.failures
+            entry.waiting += 1
+        try:
+            while True:
+                with self._cond:
+                    if self._stopping:
+                        raise Refused(503, "the server is stopping", "server_stopping")
+                    if entry.state == LOADED:
+                        entry.uses += 1
+                        entry.fresh = False
+                        self._cond.notify_all()
+                        return Use(self, entry, keep_alive)
+                    if entry.state == FAILED and entry.failures > failures:
+                        raise entry.error
+                    if entry.state in (UNLOADED, FAILED):
+                        entry.state = LOADING
+                        self._queue.append(entry)
+                        self._cond.notify_all()
+                    woken = loop.create_future()
+                    entry.wakers.append((loop, woken))
+                try:
+                    await woken
+                finally:
+                    with self._cond:
+                        if (loop, woken) in entry.wakers:
+                            entry.wakers.remove((loop, woken))
+        finally:
+            with self._cond:
+                entry.waiting -= 1
+                self._cond.notify_all()
+
+    def release(self, entry: Loadable, keep_alive: float | None) -> None:
+        """A request is done with `entry`: the last one starts its keep_alive."""
+        with self._cond:
+            entry.uses -= 1
+            entry.last_used = time.monotonic()
+            if entry.uses == 0:
+                keep = entry.spec.keep_alive if keep_alive is None else keep_alive
+                entry.expires = entry.last_used + keep
+            self._cond.notify_all()
+
+    # ---- the loader's thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                work = self._next()
+            if work is None:
+                return
+            load, entry = work
+            self._load(entry) if load else self._unload(entry)
+
+    def _next(self) -> tuple[bool, Loadable] | None:
+        """(True, a model to load) or (False, one past its keep_alive), waiting for either;
+        None once stopping. Holds the lock."""
+        while not self._stopping:
+            if self._queue:
+                return True, self._queue.popleft()
+            now = time.monotonic()
+            expired = [e for e in self.entries if e.idle and not e.spec.pinned and e.expires <= now]
+            if expired:
+                expired[0].state = UNLOADING
+                return False, expired[0]
+            deadlines = [e.expires for e in self.entries if e.idle and not e.spec.pinned and e.expires < FOREVER]
+            self._cond.wait(timeout=min(deadlines) - now if deadlines else None)
+        return None
+
+    def _load(self, entry: Loadable) -> None:
+        """Open `entry`, unloading idle models for room while the ledger has none."""
+        while True:
+            try:
+                hosted = self._open(entry.spec)
+            except LedgerDenied as exc:
+                if self._make_room(entry, exc):
+                    continue
+                return
+            except Exception as exc:        # the cause names the server's files: the log's, not the client's
+                log.warning("%s: loading failed: %s", entry.spec.name, exc)
+                self._failed(entry, Refused(500, f"the model `{entry.spec.name}` failed to load (the server's "
+                                            "log says why); the other models are served", "model_load_failed",
+                                            "model"))
+                return
+            self._opened(entry, hosted)
+            return
+
+    def _make_room(self, entry: Loadable, denied: LedgerDenied) -> bool:
+        """Unload the least recently used idle model; with none idle, drain the least used
+        busy one (its new requests wait, queued, its running ones finish) and unload it,
+        so that a model in steady use cannot keep another out forever: when memory does
+        not fit both, they take turns. A model loaded for waiting requests serves them
+        first (else two models asked at once would unload each other before either
+        answered). False (the load failed) when nothing that may be unloaded is loaded."""
+        with self._cond:
+            while True:
+                others = [e for e in self.entries if e is not entry and e.state == LOADED and not e.spec.pinned]
+                if not others:
+                    self._failed(entry, Refused(
+                        503, f"the model `{entry.spec.name}` does not fit the memory budget beside the models "
+                        f"that stay loaded ({denied})", "model_does_not_fit", "model"), locked=True)
+                    return False
+                idle, served = [e for e in others if e.idle], [e for e in others if not e.fresh]
+                if idle or served:
+                    victim = min(idle, key=lambda e: e.last_used) if idle else min(served, key=lambda e: e.uses)
+                    break
+                self._cond.wait(timeout=ROOM_WAIT_S)
+                if self._stopping:
+                    return False
+            victim.state = UNLOADING
+            while victim.uses and not self._stopping:
+                self._cond.wait(timeout=ROOM_WAIT_S)
+            if self._stopping:
+                return False
+        self._unload(victim, why=f"room for {entry.spec.name}")
+        return True
+
+    def _opened(self, entry: Loadable, hosted: HostedModel) -> None:
+        with self._cond:
+            entry.hosted, entry.state, entry.loads = hosted, LOADED, entry.loads + 1
+            entry.fresh = entry.waiting > 0
+            entry.bounds = (hosted.max_context, hosted.longest_token)
+            entry.expires = time.monotonic() + entry.spec.keep_alive    # loaded for nothing: not forever
+            entry.last_used = time.monotonic()
+            self._wake(entry)
+        log.info("%s: loaded (%d cells)", entry.spec.name, hosted.cells)
+
+    def _failed(self, entry: Loadable, error: Refused, locked: bool = False) -> None:
+        if not locked:
+            with self._cond:
+                return self._failed(entry, error, locked=True)
+        entry.state, entry.error, entry.failures = FAILED, error, entry.failures + 1
+        self._wake(entry)
+
+    def _unload(self, entry: Loadable, why: str = "keep_alive ran out") -> None:
+        """Close `entry`'s pool (marked UNLOADING: no request holds or waits for it)."""
+        entry.hosted.close()
+        with self._cond:
+            entry.hosted, entry.unloads = None, entry.unloads + 1
+            entry.state = UNLOADED
+            if entry.waiting:              # asked for while it went: load it again
+                entry.state = LOADING
+                self._queue.append(entry)
+            self._cond.notify_all()
+        log.info("%s: unloaded (%s)", entry.spec.name, why)
+
+    def _wake(self, entry: Loadable) -> None:
+        """Wake the requests waiting on `entry` (the lock is held)."""
+        for loop, woken in entry.wakers:
+            loop.call_soon_threadsafe(_settle, woken)
+        entry.wakers.clear()
+        self._cond.notify_all()
+
+    def stop_loading(self) -> None:
+        """Load and unload nothing more; requests waiting for a load get 503."""
+        with self._cond:
+            self._stopping = True
+            for entry in self.entries:
+                self._wake(entry)
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def stop(self) -> None:
+        """stop_loading(), then close every loaded pool (no request runs)."""
+        self.stop_loading()
+        for entry in self.entries:
+            if entry.hosted is not None:
+                entry.hosted.close()
+                entry.hosted, entry.state = None, UNLOADED
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -1,0 +1,203 @@
+"""Models loaded on demand under the memory ledger (issue 46): `swarmkv serve --models-dir`
+and `--models-preset` against a real server and the `openai` client.
+
+The folder holds SmolLM2 and Gemma 3 (links to the packaged files) and a crafted GGUF
+(a real file's first kilobyte). The budget holds either real model with its pool, never
+both (measured: 258 MiB and 832 MiB booked, 1,000 MiB given), so asking for one unloads
+the other when it is idle, and a load waits for a model that is busy.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve_process import Serve
+from swarmkv_ffi import catalog
+from swarmkv_ffi.serve import lineup
+from swarmkv_ffi.serve.settings import Settings
+
+pytestmark = pytest.mark.slow
+
+ONE_MODEL_BUDGET = str(1000 << 20)
+POOL = ("--ctx-size", "2048", "--parallel", "8", "--host-cache-mib", "0")
+APACHE = (Path(__file__).parent.parent / "examples" / "apache-2.0.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("models")
+    (folder / "smol.gguf").symlink_to(catalog.resolve("smollm2-135m"))
+    (folder / "gemma.gguf").symlink_to(catalog.resolve("gemma3-270m"))
+    (folder / "broken.gguf").write_bytes(catalog.resolve("gemma3-270m").read_bytes()[:1024])
+    (folder / "notes.txt").write_text("not a model")
+    return folder
+
+
+def serve(tmp_path: Path, *flags: str) -> Serve:
+    return Serve(*POOL, *flags, log=tmp_path / "serve.log")
+
+
+def ask(client, model: str, content: str = "Hi", max_tokens: int = 4, **extra):
+    return client.chat.completions.create(model=model, max_tokens=max_tokens, temperature=0, extra_body=extra or None,
+                                          messages=[{"role": "user", "content": content}])
+
+
+def states(server) -> dict[str, str]:
+    return {m.id: m.status["value"] for m in server.client().models.list().data}
+
+
+def metric(server, name: str, by: str = "model") -> dict[str, float]:
+    """{the `by` label: value} of the /metrics samples called `name`."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as reply:
+        text = reply.read().decode()
+    return {s.labels[by]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == name}
+
+
+def test_a_model_loads_on_its_first_request_and_the_idle_one_unloads_for_room(tmp_path, models_dir):
+    with serve(tmp_path, "--models-dir", str(models_dir), "--budget-bytes", ONE_MODEL_BUDGET) as server:
+        assert states(server) == {"broken": "unloaded", "gemma": "unloaded", "smol": "unloaded"}
+        client = server.client()
+        assert ask(client, "smol").model == "smol"
+        assert states(server)["smol"] == "loaded"
+        assert ask(client, "gemma").choices[0].message.content is not None
+        assert states(server) == {"broken": "unloaded", "gemma": "loaded", "smol": "unloaded"}   # LRU, for room
+        memory = metric(server, "swarmkv_memory_bytes", by="state")
+        assert 0 < memory["booked"] <= memory["limit"] == int(ONE_MODEL_BUDGET)
+        ask(client, "smol")
+        assert metric(server, "swarmkv_model_loads_total") == {"broken": 0, "gemma": 1, "smol": 2}
+        assert metric(server, "swarmkv_model_unloads_total") == {"broken": 0, "gemma": 1, "smol": 1}
+
+
+def test_requests_queue_during_a_load_and_models_in_steady_use_take_turns(tmp_path, models_dir):
+    """Two agents ask SmolLM2 back to back while four requests for Gemma arrive: the
+    budget holds one model, so SmolLM2 is drained (its running requests finish, its new
+    ones wait), unloaded, Gemma loaded once for all four, then SmolLM2 again for its
+    waiting agents. Nothing is refused or reset; a model in steady use cannot keep the
+    other out."""
+    with serve(tmp_path, "--models-dir", str(models_dir), "--budget-bytes", ONE_MODEL_BUDGET) as server:
+        client = server.client()
+        ask(client, "smol")
+        done = threading.Event()
+
+        def agent() -> list:
+            answers = []
+            while not done.is_set():
+                answers.append((ask(client, "smol", "Count from one to twenty.", max_tokens=16), time.monotonic()))
+            return answers
+
+        def timed(question: str):
+            return ask(client, "gemma", question), time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            agents = [pool.submit(agent) for _ in range(2)]
+            time.sleep(1.0)
+            asked_at = time.monotonic()
+            asked = [pool.submit(timed, f"Question {i}") for i in range(4)]
+            answers = [f.result(timeout=120) for f in asked]
+            time.sleep(1.0)
+            done.set()
+            smol = [a for f in agents for a in f.result(timeout=120)]
+        assert all(a.model == "gemma" and a.choices[0].finish_reason for a, _ in answers)
+        assert len(smol) > 2 and all(a.model == "smol" for a, _ in smol)
+        # Once Gemma waits, SmolLM2 takes no new request until Gemma has answered: only the
+        # ones running then (16 tokens each) end in between.
+        gemma_first = min(t for _, t in answers)
+        assert not [t for _, t in smol if asked_at + 5 < t < gemma_first]
+        assert metric(server, "swarmkv_model_loads_total") == {"broken": 0, "gemma": 1, "smol": 2}
+        assert metric(server, "swarmkv_model_unloads_total")["smol"] == 1
+
+
+def test_keep_alive_zero_unloads_after_the_answer(tmp_path, models_dir):
+    with serve(tmp_path, "--models-dir", str(models_dir)) as server:
+        client = server.client()
+        ask(client, "smol")
+        ask(client, "gemma", keep_alive=0)
+        deadline = time.monotonic() + 20
+        while states(server)["gemma"] != "unloaded" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert states(server) == {"broken": "unloaded", "gemma": "unloaded", "smol": "loaded"}
+        with pytest.raises(openai.BadRequestError, match="keep_alive"):
+            ask(client, "smol", keep_alive="soon")
+
+
+def test_a_model_that_fails_to_load_errs_alone(tmp_path, models_dir):
+    with serve(tmp_path, "--models-dir", str(models_dir)) as server:
+        client = server.client()
+        ask(client, "smol")
+        with pytest.raises(openai.InternalServerError, match="`broken` failed to load"):
+            ask(client, "broken")
+        cards = {m.id: m.status for m in client.models.list().data}
+        assert cards["broken"]["value"] == "failed" and "failed to load" in cards["broken"]["error"]
+        assert str(models_dir) not in cards["broken"]["error"]         # the server's paths stay in its log
+        assert ask(client, "smol").model == "smol" and states(server)["smol"] == "loaded"
+    assert "broken: loading failed" in (tmp_path / "serve.log").read_text()
+
+
+def test_a_pinned_model_stays_and_two_names_of_one_file_share_its_pool(tmp_path, models_dir):
+    preset = tmp_path / "models.toml"
+    preset.write_text(f'''
+["assistant"]
+model = "smollm2-135m"
+pinned = true
+load = "start"
+
+["helper"]
+model = "{catalog.resolve("smollm2-135m")}"
+pinned = true
+load = "start"
+
+["gemma"]
+model = "{models_dir / "gemma.gguf"}"
+''')
+    with serve(tmp_path, "--models-preset", str(preset), "--budget-bytes", ONE_MODEL_BUDGET) as server:
+        assert states(server) == {"assistant": "loaded", "helper": "loaded", "gemma": "unloaded"}
+        client = server.client()
+        doc = " ".join(APACHE.split()[:300])
+        first = ask(client, "assistant", doc)
+        again = ask(client, "helper", doc)
+        assert again.model == "helper"
+        assert again.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2   # one pool
+        assert metric(server, "swarmkv_model_loads_total") == {"assistant": 1, "gemma": 0}
+        with pytest.raises(openai.APIStatusError, match="does not fit the memory budget") as refused:
+            ask(client, "gemma")
+        assert refused.value.status_code == 503
+        assert states(server)["assistant"] == "loaded"
+
+
+def test_lineup_errors_name_the_setting(tmp_path):
+    base = lineup.ModelSpec("", "", None, 8, False)
+    bad = tmp_path / "bad.toml"
+    for text, said in (('["m"]\nmodle = "x"\n', "unknown settings \\['modle'\\]"),
+                       ('["m"]\nctx_size = "big"\n', "ctx_size must be a int"),
+                       ('["m"]\nload = "later"\n', 'load must be "start" or "demand"'),
+                       ('["m"]\nkeep_alive = "soon"\n', "keep_alive must be"),
+                       ('m = 3\n', "must be a table"),
+                       ('["m"\n', "bad.toml")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=said):
+            lineup.from_preset(bad, base)
+    with pytest.raises(ValueError, match="not a folder"):
+        lineup.from_dir(tmp_path / "nowhere", base)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)                 # any local user could plant a model there
+    with pytest.raises(ValueError, match="writable by others"):
+        lineup.from_dir(shared, base)
+    assert [lineup.keep_alive_seconds(v) for v in (0, "30s", "5m", "1h", "500ms", -1, "-1")] == \
+        [0, 30, 300, 3600, 0.5, lineup.FOREVER, lineup.FOREVER]
+    twice = tmp_path / "twice.toml"
+    twice.write_text('["a"]\nmodel = "smollm2-135m"\n["b"]\nmodel = "smollm2-135m"\nctx_size = 4096\n')
+    with pytest.raises(ValueError, match="`a` and `b` name one pool"):
+        Settings(models_preset=twice).check()
+    (tmp_path / "one.toml").write_text('["smollm2-135m"]\n')
+    with pytest.raises(ValueError, match="`smollm2-135m` is given twice"):
+        Settings(models=("smollm2-135m",), models_preset=tmp_path / "one.toml").check()
+    with pytest.raises(ValueError, match="keep_alive must be"):
+        Settings(keep_alive="later").check()
