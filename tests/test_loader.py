@@ -23,7 +23,7 @@ class FakeHosted:
         self.held.remove(self.name)
 
 
-def loader_of(tmp_path: Path, *names: str, pinned: tuple = ()) -> tuple[Loader, list[str]]:
+def loader_of(tmp_path: Path, *names: str, pinned: tuple = (), shared: bool = False) -> tuple[Loader, list[str]]:
     """A loader over one fake file per name whose ledger holds one model; and the log of
     what it opened, in order."""
     held, opened = [], []
@@ -39,7 +39,7 @@ def loader_of(tmp_path: Path, *names: str, pinned: tuple = ()) -> tuple[Loader, 
         (tmp_path / f"{name}.gguf").write_bytes(name.encode())
         specs.append(ModelSpec(name, str(tmp_path / f"{name}.gguf"), 512, 8, False, pinned=name in pinned,
                                at_start=name in pinned))
-    return Loader(specs, open_hosted), opened
+    return Loader(specs, open_hosted, shared), opened
 
 
 def test_a_busy_model_is_drained_and_the_two_take_turns(tmp_path):
@@ -107,6 +107,15 @@ def test_keep_alive_unloads_an_idle_model_and_a_request_overrides_it(tmp_path):
             (await loader.use(a)).release()             # the model's own: until its memory is needed
             await asyncio.sleep(0.5)
             assert a.state == LOADED
+        finally:
+            loader.stop()
+        loader, _ = loader_of(tmp_path, "a", shared=True)   # several keys: none may shorten it
+        a = loader.named["a"]
+        loader.start()
+        try:
+            (await loader.use(a, keep_alive=0)).release()
+            await asyncio.sleep(0.5)
+            assert a.state == LOADED and a.unloads == 0
         finally:
             loader.stop()
     asyncio.run(scenario())

@@ -201,3 +201,20 @@ def test_lineup_errors_name_the_setting(tmp_path):
         Settings(models=("smollm2-135m",), models_preset=tmp_path / "one.toml").check()
     with pytest.raises(ValueError, match="keep_alive must be"):
         Settings(keep_alive="later").check()
+
+
+def test_a_langchain_pipeline_of_two_models_on_one_endpoint(tmp_path, models_dir):
+    """LangChain's ChatOpenAI, unmodified, one per model on one base_url, run in parallel
+    from cold: each model loaded on its first request, each answer from the model named."""
+    from langchain_core.runnables import RunnableParallel
+    from langchain_openai import ChatOpenAI
+
+    with serve(tmp_path, "--models-dir", str(models_dir)) as server:
+        def llm(model: str) -> ChatOpenAI:
+            return ChatOpenAI(base_url=server.url + "/v1", api_key="none", model=model, temperature=0,
+                              max_tokens=8, max_retries=0)
+        out = RunnableParallel(writer=llm("smol"), critic=llm("gemma")).invoke("Say hello.")
+        assert {k: v.response_metadata["model_name"] for k, v in out.items()} == {"writer": "smol",
+                                                                               "critic": "gemma"}
+        assert all(v.content for v in out.values())
+        assert states(server) == {"broken": "unloaded", "gemma": "loaded", "smol": "loaded"}

@@ -63,7 +63,7 @@ class ServeEngine:
         self.memory = None if conductor is not None else DeviceMemory(budget_bytes=budget_bytes)
         self.conductor = conductor or Conductor(Ledger(self.memory.budget), n_threads=threads,
                                                 policy=Policy(lone_step_seconds=None))
-        self.models = Loader(settings.specs(), self._open)
+        self.models = Loader(settings.specs(), self._open, shared=len(keys.mapping()) > 1)
         self.host_bytes = sizing.host_cache_bytes(settings.host_cache_mib) // len(self.models.entries)
         try:
             cache = PrefixCache.open_optional(settings.cache_dir) if settings.cache_dir is not None else None

@@ -73,13 +73,16 @@ class Use:
 
 
 class Loader:
-    """Every pool the server may serve (from `specs`) on `conductor`, opened by
-    `open_hosted(spec)`; the thread that loads and unloads them."""
+    """Every pool the server may serve (from `specs`), opened by `open_hosted(spec)`;
+    the thread that loads and unloads them. `shared`: several API keys use the server,
+    so a request's keep_alive may keep a model longer than its own, never shorter (else
+    one key's keep_alive 0 would throw away every key's cached prefixes, and time its
+    reloads to learn when the others ask)."""
 
-    def __init__(self, specs: list[ModelSpec], open_hosted):
+    def __init__(self, specs: list[ModelSpec], open_hosted, shared: bool = False):
         self.entries = [Loadable(group) for group in pools(specs)]
         self.named = {name: entry for entry in self.entries for name in entry.names}
-        self._open = open_hosted
+        self._open, self.shared = open_hosted, shared
         self._cond = threading.Condition()
         self._queue: collections.deque[Loadable] = collections.deque()
         self._stopping = False
@@ -141,7 +144,9 @@ class Loader:
             entry.uses -= 1
             entry.last_used = time.monotonic()
             if entry.uses == 0:
-                keep = entry.spec.keep_alive if keep_alive is None else keep_alive
+                keep = entry.spec.keep_alive
+                if keep_alive is not None:
+                    keep = max(keep, keep_alive) if self.shared else keep_alive
                 entry.expires = entry.last_used + keep
             self._cond.notify_all()
 
@@ -153,7 +158,13 @@ class Loader:
             if work is None:
                 return
             load, entry = work
-            self._load(entry) if load else self._unload(entry)
+            try:
+                self._load(entry) if load else self._unload(entry)
+            except Exception:                # a bug here must not leave every later request waiting
+                log.exception("%s: %s failed", entry.spec.name, "loading" if load else "unloading")
+                self._failed(entry, Refused(500, f"the model `{entry.spec.name}` failed to "
+                                            f"{'load' if load else 'unload'} (the server's log says why)",
+                                            "model_load_failed", "model"))
 
     def _next(self) -> tuple[bool, Loadable] | None:
         """(True, a model to load) or (False, one past its keep_alive), waiting for either;
