@@ -194,3 +194,25 @@ def test_requests_and_a_conversation_of_one_model_take_turns_without_rebuilding(
     assert pool.submit(A, doc + [12], 4).result().cached == 600
     assert pool.stats()["opens"] == 1
     pool.close()
+
+
+def test_each_pool_of_a_model_books_its_own_compute_buffer_once(conductor):
+    """The request pool and the conversations' pool of one model are two contexts, open
+    at once: each books a compute buffer (once, however many agents), the weights are
+    booked once, and each booking goes with the last agent of its pool."""
+    ledger = conductor.ledger
+    pool = RequestPool(conductor, MODEL, cells=1024, seqs=4)
+    conductor.register("one", MODEL, n_ctx=512)
+    conductor.register("two", MODEL, n_ctx=512)
+    held = dict(ledger._held)
+    computes = {k: v for k, v in held.items() if k.startswith("compute:")}
+    assert sorted(k.rsplit(":", 1)[1] for k in computes) == ["agents", "requests"]
+    weights = [v for k, v in held.items() if k.startswith("model:")]
+    assert len(weights) == 1 and weights[0] == pool.reservation.loaded.measured_bytes
+    assert len(set(computes.values())) == 1 and ledger.allocated == sum(held.values())
+    conductor.unregister("one")
+    assert sum(k.startswith("compute:") for k in ledger._held) == 2
+    conductor.unregister("two")
+    assert [k.rsplit(":", 1)[1] for k in ledger._held if k.startswith("compute:")] == ["requests"]
+    pool.close()
+    assert ledger.allocated == 0

@@ -112,6 +112,7 @@ class Agent:
     asked: list[int] = field(default_factory=list)   # a request's prompt tokens (forked where the pool holds them)
     preempted: bool = False               # a request that gave its cells up: back, it books them all
     exact: bool = False                   # decodes in an exact pool without a document (a request pool's)
+    booked_pool: PoolKey | None = None    # the pool whose compute buffer its admission counts on
 
     @property
     def key(self) -> str:
@@ -141,6 +142,11 @@ class DecodeResult:
     forked: bool = False       # it shares its document's cells in the pool
 
 
+def compute_key_of(pool: PoolKey) -> str:
+    """The ledger key of a pool's compute buffer (shared: no user is charged it)."""
+    return f"compute:{pool.model}:{'exact' if pool.exact else 'fast'}:{'requests' if pool.requests else 'agents'}"
+
+
 def named_source(model: str) -> ModelSource:
     """A model named by a packaged short name (trusted: it skips the sandbox) or by a path
     the daemon may open itself (the operator's own, or one access.py vouched for)."""
@@ -168,6 +174,7 @@ class Conductor:
         self.n_threads = n_threads
         self.prefixes: dict[str, SharedPrefix] = {}
         self.request_pools: dict[PoolKey, Fixed] = {}   # requests.py's pools, by key
+        self._computes: dict[PoolKey, int] = {}         # agents admitted per pool: its compute buffer's refs
 
     # ---- REGISTER / UNREGISTER ------------------------------------------------------------
     def register(self, agent_id: str, model: str | ModelSource, n_ctx: int = 2048, owner: int | None = None,
@@ -195,7 +202,7 @@ class Conductor:
             gate = self._uid_gates.setdefault(owner, threading.Lock())
         try:
             with gate:   # one admission per user at a time: its share is checked against settled bookings
-                agent = self._register(agent_id, model, n_ctx, owner, kind, exact)
+                agent = self._register(agent_id, model, n_ctx, owner, kind, exact, prefix is not None)
             if prefix is not None:
                 try:
                     self._attach_prefix(agent, prefix)
@@ -208,18 +215,19 @@ class Conductor:
                 self._pending.discard(ident)
 
     def _register(self, agent_id: str, model: str | ModelSource, n_ctx: int, owner: int, kind: Kind,
-                  exact: bool) -> Agent:
+                  exact: bool, with_prefix: bool = False) -> Agent:
         source = model if isinstance(model, ModelSource) else named_source(model)
         try:
             with source.open() as (mf, sent), LoadableCopy(mf, sent) as fd:
                 facts = None if source.trusted else sandbox.check(mf, fd, owner)
                 est = self._estimate(source.name, mf, fd, n_ctx, facts)
+                pool = PoolKey(mf.key, exact or with_prefix, kind is not Kind.CONVERSATION)   # = pool_key(agent)
                 with self.registry.gate(mf.key):
-                    loaded, measured = self._admit(f"{owner}:{agent_id}", owner, mf, fd, est, n_ctx, sent)
+                    loaded, measured = self._admit(f"{owner}:{agent_id}", owner, mf, fd, est, n_ctx, sent, pool)
         except ModelLoadError as exc:
             raise ConductorError("MODEL_LOAD_FAILED", str(exc)) from None
         agent = Agent(agent_id, source.name, mf.path, n_ctx, loaded, est, mf, owner=owner,
-                      measured_bytes=measured, kind=kind, exact=exact)
+                      measured_bytes=measured, kind=kind, exact=exact, booked_pool=pool)
         if kind is Kind.CONVERSATION:     # about to DECODE: it shares the device from now (a
             self.scheduler.policy.seen(owner)   # reservation never decodes: it shares nothing)
         with self._lock:
@@ -264,12 +272,13 @@ class Conductor:
         return sum(e.measured_bytes for k in keys if (e := self.registry.loaded(k)) is not None)
 
     def _admit(self, ref: str, owner: int, mf: ModelFile, fd: int, est: Estimate,
-               n_ctx: int, sent: int) -> tuple[Loaded, int]:
+               n_ctx: int, sent: int, pool: PoolKey) -> tuple[Loaded, int]:
         """reserve → load → measure → book what was measured, all within the budget and
         the owner's share; any failure undoes every step. The caller holds the model's
-        gate, so whether its weights are already booked cannot change under us. fd: what
-        libllama loads; sent: the file as opened (checked unchanged)."""
-        model_key, agent_key = f"model:{mf.key}", f"agent:{ref}"
+        gate, so whether its weights (and the compute buffer of the pool it decodes in,
+        `pool`) are already booked cannot change under us. fd: what libllama loads; sent:
+        the file as opened (checked unchanged)."""
+        model_key, agent_key, compute_key = f"model:{mf.key}", f"agent:{ref}", compute_key_of(pool)
         shared = self.registry.loaded(mf.key) is not None
         cap = self._cap(self.ledger, self.quotas.ledger_share, owner)
         # This agent's KV + compute, plus the weights unless another agent holds them. A
@@ -288,13 +297,17 @@ class Conductor:
             except Exception as exc:
                 raise ConductorError("MODEL_LOAD_FAILED", f"context for n_ctx={n_ctx} failed: {exc}") from None
             # Replace the estimate with what libllama allocated: the agent's KV cells to
-            # the agent; the weights and the one compute buffer (a single pool is live at a
-            # time, whatever its number of agents) to the model, once, until its last
-            # agent leaves.
+            # the agent; the weights to the model, once, until its last agent leaves; a
+            # compute buffer to each pool of the model (its one context, whatever its
+            # number of agents), once, until the pool's last agent leaves: every pool may
+            # stay open beside the others, as booked.
             bookings = {agent_key: measured}
             if newly:
-                bookings[model_key] = loaded.measured_bytes + compute
+                bookings[model_key] = loaded.measured_bytes
+            if not self._computes.get(pool):
+                bookings[compute_key] = compute
             self.ledger.settle(bookings, cap=cap, base=self._weights_used_by(owner, mf.key))
+            self._computes[pool] = self._computes.get(pool, 0) + 1
         except BaseException:
             last = self.registry.release(mf.key, ref)
             if last is not None:
@@ -371,6 +384,12 @@ class Conductor:
         REGISTER measuring a context, and no user's DECODE may wait for that."""
         self.ledger.release(f"agent:{agent.key}")
         with self.registry.gate(agent.file.key):
+            pool = agent.booked_pool
+            if pool is not None:
+                self._computes[pool] -= 1
+                if not self._computes[pool]:
+                    del self._computes[pool]
+                    self.ledger.release(compute_key_of(pool))
             last = self.registry.release(agent.file.key, agent.key)
             if last is not None:
                 self.ledger.release(f"model:{agent.file.key}")

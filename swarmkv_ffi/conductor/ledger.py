@@ -98,4 +98,4 @@ def owner_of(key: str) -> int | None:
     """The uid a ledger key names (`kind:<uid>:…`), or None for shared bookings."""
     kind, _, rest = key.partition(":")
     uid = rest.partition(":")[0]
-    return int(uid) if kind != "model" and uid.lstrip("-").isdigit() else None
+    return int(uid) if kind not in ("model", "compute") and uid.lstrip("-").isdigit() else None
