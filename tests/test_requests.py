@@ -12,6 +12,7 @@ import pytest
 from corpus import DOC
 from swarmkv_ffi.conductor.agents import Conductor, ConductorError, ContextFull
 from swarmkv_ffi.conductor.ledger import Ledger
+from swarmkv_ffi.conductor.pool import pool_key
 from swarmkv_ffi.conductor.requests import RequestPool
 
 MODEL = "smollm2-135m"
@@ -182,17 +183,21 @@ def test_a_request_that_forked_a_document_re_reads_rather_than_swaps(conductor):
 
 
 def test_requests_and_a_conversation_of_one_model_take_turns_without_rebuilding(conductor):
-    """A conversation agent (lmxd's pool of the model) DECODEs between two requests over
-    one document: the request pool stays open while the other pool is live (it was
-    closed, and its kept cells lost, at every switch), so the second request forks the
-    document, and the pool's context was made once."""
+    """A conversation agent (lmxd's pool of the model) DECODEs between requests over one
+    document: each pool stays open while the other is live (the request pool was closed,
+    its kept cells lost, at every switch; then the conversations' pool was, its agent
+    paused to host RAM), so the second request forks the document, the agent's second
+    DECODE is not restored, and each context was made once."""
     pool = RequestPool(conductor, MODEL, cells=2048, seqs=4)
     doc = tokens_of(pool, DOC * 3)[:600]
-    conductor.register("talker", MODEL, n_ctx=512)
+    talker = conductor.register("talker", MODEL, n_ctx=512)
     assert pool.submit(A, doc + [11], 4).result().cached == 0
     assert conductor.decode("talker", 4, "Hello there").text is not None
     assert pool.submit(A, doc + [12], 4).result().cached == 600
+    again = conductor.decode("talker", 4, " and again")
+    assert not again.restored and again.evicted is None
     assert pool.stats()["opens"] == 1
+    assert conductor.scheduler.pools[pool_key(talker)].opens == 1
     pool.close()
 
 

@@ -367,18 +367,20 @@ class Scheduler:
         return self.pools[key]
 
     def _switch(self, pool: Pool, payers: dict[int, float]) -> None:
-        """Make `pool` live: the batch leaves (its runs wait to rejoin). A conversations'
-        pool that was live has its agents paused to host RAM and its context freed; a
-        request pool stays open, its requests seated, its kept cells kept (its cells are
-        booked whole by its reservation, open or not), so requests and conversations of
-        one model take turns without rebuilding each other. `pool`, unless open (or if
-        stale: rebuilt), opens sized for its agents that have DECODEd and every agent of
-        `payers` (uid -> weight), who are charged its time."""
+        """Make `pool` live: the batch leaves (its runs wait to rejoin). A request pool
+        stays open, its requests seated, its kept cells kept (its cells are booked whole
+        by its reservation, its compute buffer with it), and so does a conversations' pool
+        while a request pool is live (each pool books its own compute buffer: agents.py),
+        so requests and conversations of one model take turns without rebuilding each
+        other. Between lmxd's conversations' pools the seed's time-slicing stays: the one
+        that was live has its agents paused to host RAM and its context freed. `pool`,
+        unless open (or if stale: rebuilt), opens sized for its agents that have DECODEd
+        and every agent of `payers` (uid -> weight), who are charged its time."""
         t0 = time.perf_counter()
         for run in list(self._batch):
             self._to_waiting(run)
         left = self.live
-        if left is not None and left.is_open and (left.fixed is None or left is pool):
+        if left is not None and left.is_open and (left is pool or (left.fixed is None and pool.fixed is None)):
             last = left.last
             paused = left.close()
             self._switch_evicted = last if last in paused else (paused[-1] if paused else None)

@@ -72,7 +72,10 @@ class Settings:
         if len(set(self.models)) != len(self.models):
             raise ValueError(f"a --model is given twice: {', '.join(self.models)}")
         if self.keep_alive is not None:
-            lineup.keep_alive_seconds(self.keep_alive)
+            try:
+                lineup.keep_alive_seconds(self.keep_alive)
+            except ValueError as exc:
+                raise ValueError(f"--keep-alive: {exc}") from None
         if self.ctx_size is not None and self.ctx_size < 512:
             raise ValueError(f"--ctx-size must be at least 512 cells, got {self.ctx_size}")
         if not 2 <= self.parallel <= MAX_SEQS - 1:
@@ -138,9 +141,10 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
               f"`model` field; each is loaded at start and stays loaded (default: {catalog.DEFAULT_MODEL}, "
               "unless --models-dir or --models-preset names the models)")
     flag("models-dir", type=Path, default=d.models_dir, metavar="DIR",
-         help="serve every .gguf file in DIR under its file name without .gguf, each loaded on its first "
-              "request (which waits, queued, meanwhile) and unloaded, least recently used first, when "
-              "another needs its memory and it runs nothing")
+         help="serve every .gguf file in DIR (writable by this user alone) under its file name without "
+              ".gguf, each loaded on its first request (which waits, queued, meanwhile) and unloaded when "
+              "another needs its memory: the least recently used idle one, else the least busy one once "
+              "its running requests end (its new ones wait for its next turn)")
     flag("models-preset", type=Path, default=d.models_preset, metavar="FILE",
          help="a TOML file with one table per model id: model, ctx_size, parallel, exact, keep_alive, "
               "pinned, load = \"start\" or \"demand\" (docs/serve.md); two ids of one file share its pool")
