@@ -107,10 +107,6 @@ class ServeEngine:
         finally:
             self.leave(owner, 1)
 
-    def loaded(self) -> list[tuple[str, HostedModel]]:
-        """(its first id, the model) of each model loaded now."""
-        return [(e.names[0], e.hosted) for e in self.models.loaded()]
-
     def bounds(self) -> list[tuple[int, int]] | None:
         """(max context, longest token's characters) of every model served, or None while
         some model has never been loaded (what its vocabulary holds is not known yet)."""

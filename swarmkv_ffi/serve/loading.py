@@ -96,9 +96,10 @@ class Loader:
                 self._opened(entry, self._open(entry.spec))
         self._thread.start()
 
-    def loaded(self) -> list[Loadable]:
+    def loaded(self) -> list[tuple[str, HostedModel]]:
+        """(its first id, the model) of each model loaded now."""
         with self._cond:
-            return [e for e in self.entries if e.state == LOADED]
+            return [(e.names[0], e.hosted) for e in self.entries if e.state == LOADED]
 
     # ---- a request's side --------------------------------------------------------------------
     async def use(self, entry: Loadable, keep_alive: float | None = None) -> Use:

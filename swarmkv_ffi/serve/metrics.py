@@ -103,7 +103,7 @@ class _Collector:
         memory.add_metric(["limit"], ledger.limit())
         yield memory
         yield from _models(engine.models.entries)
-        yield from _pools(engine.loaded())
+        yield from _pools(engine.models.loaded())
 
 
 def _models(entries):
