@@ -175,7 +175,7 @@ def test_lineup_errors_name_the_setting(tmp_path):
     base = lineup.ModelSpec("", "", None, 8, False)
     bad = tmp_path / "bad.toml"
     for text, said in (('["m"]\nmodle = "x"\n', "unknown settings \\['modle'\\]"),
-                       ('["m"]\nctx_size = "big"\n', "ctx_size must be a int"),
+                       ('["m"]\nctx_size = "big"\n', "ctx_size must be an integer"),
                        ('["m"]\nload = "later"\n', 'load must be "start" or "demand"'),
                        ('["m"]\nkeep_alive = "soon"\n', "keep_alive must be"),
                        ('m = 3\n', "must be a table"),

@@ -73,6 +73,7 @@ class ModelSpec:
 
 
 PRESET_KEYS = {"model", "ctx_size", "parallel", "exact", "keep_alive", "pinned", "load"}
+_KIND = {int: "an integer", str: "a string", bool: "true or false"}
 
 
 def from_preset(path: Path, defaults: ModelSpec) -> list[ModelSpec]:
@@ -100,7 +101,7 @@ def _preset_entry(path: Path, name: str, table: dict, defaults: ModelSpec) -> Mo
     def typed(key, kind, default):
         value = table.get(key, default)
         if key in table and (not isinstance(value, kind) or isinstance(value, bool) is not (kind is bool)):
-            raise ValueError(f"--models-preset {path}: [{name}] {key} must be a {kind.__name__}, got {value!r}")
+            raise ValueError(f"--models-preset {path}: [{name}] {key} must be {_KIND[kind]}, got {value!r}")
         return value
     model = typed("model", str, name)
     if model not in catalog.CATALOG and not os.path.isabs(os.path.expanduser(model)):
