@@ -33,7 +33,7 @@ from .ledger import Ledger, LedgerDenied
 from .modelfile import LoadableCopy, ModelFile, ModelSource, check_unchanged, fd_path
 from .quotas import UNLIMITED, Quotas
 from .policy import Policy
-from .pool import Fixed, Kind, Pool, PoolKey, Seat, pool_key
+from .pool import Fixed, Kind, Pool, PoolKey, Seat, key_for, pool_key
 from .registry import Loaded, ModelRegistry
 from .scheduler import Run, Scheduler, Stopping
 
@@ -221,7 +221,7 @@ class Conductor:
             with source.open() as (mf, sent), LoadableCopy(mf, sent) as fd:
                 facts = None if source.trusted else sandbox.check(mf, fd, owner)
                 est = self._estimate(source.name, mf, fd, n_ctx, facts)
-                pool = PoolKey(mf.key, exact or with_prefix, kind is not Kind.CONVERSATION)   # = pool_key(agent)
+                pool = key_for(mf.key, exact, with_prefix, kind)
                 with self.registry.gate(mf.key):
                     loaded, measured = self._admit(f"{owner}:{agent_id}", owner, mf, fd, est, n_ctx, sent, pool)
         except ModelLoadError as exc:

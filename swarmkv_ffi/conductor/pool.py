@@ -103,9 +103,15 @@ class PoolKey(NamedTuple):
 
 
 def pool_key(agent) -> PoolKey:
-    """The pool an agent decodes in: its model file; exact or not; a request pool's or one
+    """The pool an agent decodes in."""
+    return key_for(agent.file.key, agent.exact, agent.prefix is not None, agent.kind)
+
+
+def key_for(model: str, exact: bool, with_prefix: bool, kind: "Kind") -> PoolKey:
+    """The pool of an agent of this model file, mode and kind (before it exists, as
+    admission needs it): exact with a document or when asked; a request pool's or one
     of lmxd's pools sized for its conversations."""
-    return PoolKey(agent.file.key, agent.prefix is not None or agent.exact, agent.kind is not Kind.CONVERSATION)
+    return PoolKey(model, with_prefix or exact, kind is not Kind.CONVERSATION)
 
 
 @dataclass

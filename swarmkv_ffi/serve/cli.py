@@ -14,6 +14,7 @@ import logging
 import sys
 
 from . import settings as server_settings
+from .lineup import FOREVER
 from .settings import Settings
 
 log = logging.getLogger("swarmkv.serve")
@@ -88,7 +89,7 @@ def announce(engine, settings: Settings, where: str) -> None:
     for entry in engine.models.entries:
         names, spec, hosted = ", ".join(entry.names), entry.spec, entry.hosted
         if hosted is None:
-            stay = "until its memory is needed" if spec.keep_alive == float("inf") else f"{spec.keep_alive:g} s idle"
+            stay = "until its memory is needed" if spec.keep_alive == FOREVER else f"{spec.keep_alive:g} s idle"
             say(f"{names} ({spec.model}): loaded on its first request, kept {stay}")
             continue
         tier, mode = hosted.host_tier, "exact" if spec.exact else "fast"

@@ -6,8 +6,9 @@ Loadable: unloaded, loading, loaded or failed. A request takes a Use of its mode
 thread loads it. Loading books the model's measured estimate in the ledger before it
 reads a byte (conductor.register); when the ledger has no room, the loader unloads the
 least recently used idle model (no request running or waiting, not pinned) and tries
-again, and with none idle it waits for one to become idle. A model idle past its
-keep_alive is unloaded by the same thread. Loads and unloads happen on that thread
+again, and with none idle it drains the least used busy one (its running requests end,
+its new ones wait) and unloads it. A model idle past its keep_alive is unloaded by the
+same thread. Loads and unloads happen on that thread
 only: a request for a loaded model never waits for another model's load.
 
 A load that fails (a crafted file, a budget too small for the model) is that model's
@@ -163,9 +164,10 @@ class Loader:
                 self._load(entry) if load else self._unload(entry)
             except Exception:                # a bug here must not leave every later request waiting
                 log.exception("%s: %s failed", entry.spec.name, "loading" if load else "unloading")
-                self._failed(entry, Refused(500, f"the model `{entry.spec.name}` failed to "
-                                            f"{'load' if load else 'unload'} (the server's log says why)",
-                                            "model_load_failed", "model"))
+                with self._cond:
+                    self._failed(entry, Refused(500, f"the model `{entry.spec.name}` failed to "
+                                                f"{'load' if load else 'unload'} (the server's log says why)",
+                                                "model_load_failed", "model"))
 
     def _next(self) -> tuple[bool, Loadable] | None:
         """(True, a model to load) or (False, one past its keep_alive), waiting for either;
@@ -174,12 +176,12 @@ class Loader:
             if self._queue:
                 return True, self._queue.popleft()
             now = time.monotonic()
-            expired = [e for e in self.entries if e.idle and not e.spec.pinned and e.expires <= now]
-            if expired:
-                expired[0].state = UNLOADING
-                return False, expired[0]
-            deadlines = [e.expires for e in self.entries if e.idle and not e.spec.pinned and e.expires < FOREVER]
-            self._cond.wait(timeout=min(deadlines) - now if deadlines else None)
+            unloadable = [e for e in self.entries if e.idle and not e.spec.pinned and e.expires < FOREVER]
+            first = min(unloadable, key=lambda e: e.expires, default=None)
+            if first is not None and first.expires <= now:
+                first.state = UNLOADING
+                return False, first
+            self._cond.wait(timeout=None if first is None else first.expires - now)
         return None
 
     def _load(self, entry: Loadable) -> None:
@@ -193,9 +195,10 @@ class Loader:
                 return
             except Exception as exc:        # the cause names the server's files: the log's, not the client's
                 log.warning("%s: loading failed: %s", entry.spec.name, exc)
-                self._failed(entry, Refused(500, f"the model `{entry.spec.name}` failed to load (the server's "
-                                            "log says why); the other models are served", "model_load_failed",
-                                            "model"))
+                with self._cond:
+                    self._failed(entry, Refused(500, f"the model `{entry.spec.name}` failed to load (the "
+                                                "server's log says why); the other models are served",
+                                                "model_load_failed", "model"))
                 return
             self._opened(entry, hosted)
             return
@@ -213,7 +216,7 @@ class Loader:
                 if not others:
                     self._failed(entry, Refused(
                         503, f"the model `{entry.spec.name}` does not fit the memory budget beside the models "
-                        f"that stay loaded ({denied})", "model_does_not_fit", "model"), locked=True)
+                        f"that stay loaded ({denied})", "model_does_not_fit", "model"))
                     return False
                 idle, served = [e for e in others if e.idle], [e for e in others if not e.fresh]
                 if idle or served:
@@ -240,10 +243,8 @@ class Loader:
             self._wake(entry)
         log.info("%s: loaded (%d cells)", entry.spec.name, hosted.cells)
 
-    def _failed(self, entry: Loadable, error: Refused, locked: bool = False) -> None:
-        if not locked:
-            with self._cond:
-                return self._failed(entry, error, locked=True)
+    def _failed(self, entry: Loadable, error: Refused) -> None:
+        """Its load failed with `error`, for the requests waiting on it (the lock is held)."""
         entry.state, entry.error, entry.failures = FAILED, error, entry.failures + 1
         self._wake(entry)
 
