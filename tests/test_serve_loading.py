@@ -11,16 +11,15 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from serve_process import Serve
 from swarmkv_ffi import catalog
 from swarmkv_ffi.serve import lineup
+from swarmkv_ffi.bench.servers import by_label
 from swarmkv_ffi.serve.settings import Settings
 
 pytestmark = pytest.mark.slow
@@ -53,14 +52,6 @@ def states(server) -> dict[str, str]:
     return {m.id: m.status["value"] for m in server.client().models.list().data}
 
 
-def metric(server, name: str, by: str = "model") -> dict[str, float]:
-    """{the `by` label: value} of the /metrics samples called `name`."""
-    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as reply:
-        text = reply.read().decode()
-    return {s.labels[by]: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name == name}
-
-
 def test_a_model_loads_on_its_first_request_and_the_idle_one_unloads_for_room(tmp_path, models_dir):
     with serve(tmp_path, "--models-dir", str(models_dir), "--budget-bytes", ONE_MODEL_BUDGET) as server:
         assert states(server) == {"broken": "unloaded", "gemma": "unloaded", "smol": "unloaded"}
@@ -69,11 +60,11 @@ def test_a_model_loads_on_its_first_request_and_the_idle_one_unloads_for_room(tm
         assert states(server)["smol"] == "loaded"
         assert ask(client, "gemma").choices[0].message.content is not None
         assert states(server) == {"broken": "unloaded", "gemma": "loaded", "smol": "unloaded"}   # LRU, for room
-        memory = metric(server, "swarmkv_memory_bytes", by="state")
+        memory = by_label(server, "swarmkv_memory_bytes", by="state")
         assert 0 < memory["booked"] <= memory["limit"] == int(ONE_MODEL_BUDGET)
         ask(client, "smol")
-        assert metric(server, "swarmkv_model_loads_total") == {"broken": 0, "gemma": 1, "smol": 2}
-        assert metric(server, "swarmkv_model_unloads_total") == {"broken": 0, "gemma": 1, "smol": 1}
+        assert by_label(server, "swarmkv_model_loads_total") == {"broken": 0, "gemma": 1, "smol": 2}
+        assert by_label(server, "swarmkv_model_unloads_total") == {"broken": 0, "gemma": 1, "smol": 1}
 
 
 def test_requests_queue_during_a_load_and_models_in_steady_use_take_turns(tmp_path, models_dir):
@@ -110,8 +101,8 @@ def test_requests_queue_during_a_load_and_models_in_steady_use_take_turns(tmp_pa
         # ones running then (16 tokens each) end in between.
         gemma_first = min(t for _, t in answers)
         assert not [t for _, t in smol if asked_at + 5 < t < gemma_first]
-        assert metric(server, "swarmkv_model_loads_total") == {"broken": 0, "gemma": 1, "smol": 2}
-        assert metric(server, "swarmkv_model_unloads_total")["smol"] == 1
+        assert by_label(server, "swarmkv_model_loads_total") == {"broken": 0, "gemma": 1, "smol": 2}
+        assert by_label(server, "swarmkv_model_unloads_total")["smol"] == 1
 
 
 def test_keep_alive_zero_unloads_after_the_answer(tmp_path, models_dir):
@@ -164,7 +155,7 @@ model = "{models_dir / "gemma.gguf"}"
         again = ask(client, "helper", doc)
         assert again.model == "helper"
         assert again.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2   # one pool
-        assert metric(server, "swarmkv_model_loads_total") == {"assistant": 1, "gemma": 0}
+        assert by_label(server, "swarmkv_model_loads_total") == {"assistant": 1, "gemma": 0}
         with pytest.raises(openai.APIStatusError, match="does not fit the memory budget") as refused:
             ask(client, "gemma")
         assert refused.value.status_code == 503

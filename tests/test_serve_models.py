@@ -10,9 +10,9 @@ from pathlib import Path
 
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from serve_process import Serve
+from swarmkv_ffi.bench.servers import by_label
 from swarmkv_ffi.serve.settings import Settings
 
 pytestmark = pytest.mark.slow
@@ -34,15 +34,6 @@ def ask(client, model: str, doc: str, question: str):
         {"role": "system", "content": doc}, {"role": "user", "content": question}])
 
 
-def per_model(server, name: str, **labels: str) -> dict[str, float]:
-    """{model: value} of the /metrics samples called `name` with these other labels."""
-    import urllib.request
-    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as reply:
-        text = reply.read().decode()
-    return {s.labels["model"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())}
-
-
 def test_requests_go_to_the_model_they_name_and_both_pools_stay_open(server):
     client = server.client()
     assert [m.id for m in client.models.list().data] == [SMOL, GEMMA]
@@ -53,8 +44,8 @@ def test_requests_go_to_the_model_they_name_and_both_pools_stay_open(server):
     again = {m: ask(client, m, doc, "Is there a warranty?") for m in (SMOL, GEMMA)}
     for m in (SMOL, GEMMA):        # the other model ran in between: this one's cells are still there
         assert again[m].usage.prompt_tokens_details.cached_tokens > first[m].usage.prompt_tokens // 2, m
-    assert per_model(server, "swarmkv_pool_opens_total") == {SMOL: 1, GEMMA: 1}
-    halves = per_model(server, "swarmkv_host_cache_bytes", state="limit")      # --host-cache-mib split
+    assert by_label(server, "swarmkv_pool_opens_total") == {SMOL: 1, GEMMA: 1}
+    halves = by_label(server, "swarmkv_host_cache_bytes", state="limit")      # --host-cache-mib split
     assert halves == {SMOL: 32 << 20, GEMMA: 32 << 20}
 
 

@@ -2,6 +2,7 @@
 of an exact token length, and the machine's name for result folders."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import platform
@@ -42,6 +43,31 @@ class PeakRSS:
     @property
     def peak_delta(self) -> int:
         return self.peak - self.start
+
+
+class Peaks(threading.Thread):
+    """Calls `read()` ({name: value}) every `interval` seconds while in the `with` block;
+    `.most[name]` is the highest value seen (0 if never read), `.samples` how many reads."""
+
+    def __init__(self, read, interval: float = 0.2):
+        super().__init__(daemon=True)
+        self.read, self.interval, self._done = read, interval, threading.Event()
+        self.most: dict[str, float] = collections.defaultdict(float)
+        self.samples = 0
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self.join()
+
+    def run(self) -> None:
+        while not self._done.wait(self.interval):
+            for name, value in self.read().items():
+                self.most[name] = max(self.most[name], value)
+            self.samples += 1
 
 
 def document_of(model, n_tokens: int, source: str | None = None) -> str:

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
 from .. import catalog, library
 from ..procmem import rss_of
-from .measure import at_once
+from .measure import Peaks, at_once
 from .peer import HttpServer, log
-from .servers import ask, openai_client, ours, scrape
+from .servers import ask, by_label, openai_client, ours
 
 PACKAGED = ("smollm2-135m", "gemma3-270m")
 
@@ -94,11 +93,8 @@ def one_side(client, ids: dict[str, str], make_doc, questions: list[str], args) 
 
 
 def booked(server) -> int:
-    return int(next(s.value for s in scrape(server) if s.name == "swarmkv_memory_bytes" and s.labels["state"] == "booked"))
-
-
-def per_model(server, name: str) -> dict[str, float]:
-    return {s.labels["model"]: s.value for s in scrape(server) if s.name == name}
+    """Bytes our ledger books now."""
+    return int(by_label(server, "swarmkv_memory_bytes", by="state")["booked"])
 
 
 def models_rows(args, make_doc, questions: list[str]) -> list[dict]:
@@ -115,7 +111,7 @@ def models_rows(args, make_doc, questions: list[str]) -> list[dict]:
                 ask(client, m, [{"role": "user", "content": "Hi"}], 1)
                 bookings[m] = booked(server) - before
             row["ours"] = one_side(client, ids, make_doc, questions, args)
-            row["ours"]["pool_opens"] = per_model(server, "swarmkv_pool_opens_total")
+            row["ours"]["pool_opens"] = by_label(server, "swarmkv_pool_opens_total")
             row["ours"]["bookings"] = bookings
         with router(args, folder, n, per_agent) as server:
             client = openai_client(server)
@@ -135,11 +131,13 @@ def fits_two(args, folder: Path, files: dict, budget: int, make_doc, questions, 
     docs = {m: make_doc(f"for {m} where two fit") for m in files}
     with ours(args, n * per_agent, models=(), extra=("--models-dir", str(folder), "--budget-bytes",
                                                     str(budget))) as server:
-        with Sampler(server) as sampled:
+        start_rss = rss_of(server.proc.pid)
+        with Peaks(lambda: {"booked": booked(server), "rss": rss_of(server.proc.pid) - start_rss}) as sampled:
             out["ours"] = agents(openai_client(server), {m: m for m in files}, docs, questions, n, args.gen)
-        out["ours"].update(loads=per_model(server, "swarmkv_model_loads_total"),
-                           unloads=per_model(server, "swarmkv_model_unloads_total"),
-                           booked_most=sampled.booked, rss_above_start_most=sampled.rss, samples=sampled.samples)
+        out["ours"].update(loads=by_label(server, "swarmkv_model_loads_total"),
+                           unloads=by_label(server, "swarmkv_model_unloads_total"),
+                           booked_most=int(sampled.most["booked"]), rss_above_start_most=int(sampled.most["rss"]),
+                           samples=sampled.samples)
     with router(args, folder, n, per_agent, ("--models-max", "2")) as server:
         client = openai_client(server)
         known = [m.id for m in client.models.list().data]
@@ -147,30 +145,6 @@ def fits_two(args, folder: Path, files: dict, budget: int, make_doc, questions, 
                                args.gen)
     out["server_over_ours"] = out["server"]["s"] / out["ours"]["s"]
     return out
-
-
-class Sampler(threading.Thread):
-    """Every 0.2 s while in the `with` block: the most our ledger booked, and the most
-    the server's RSS grew above its value at the start."""
-
-    def __init__(self, server):
-        super().__init__(daemon=True)
-        self.server, self.stop = server, threading.Event()
-        self.start_rss, self.booked, self.rss, self.samples = rss_of(server.proc.pid), 0, 0, 0
-
-    def __enter__(self):
-        self.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.join()
-
-    def run(self) -> None:
-        while not self.stop.wait(0.2):
-            self.booked = max(self.booked, booked(self.server))
-            self.rss = max(self.rss, rss_of(self.server.proc.pid) - self.start_rss)
-            self.samples += 1
 
 
 def report(row: dict) -> None:

@@ -24,29 +24,14 @@ by default), and its time over each of our tiers'.
 from __future__ import annotations
 
 import tempfile
-import threading
 import time
 
+from .measure import Peaks
 from .peer import log
-from .servers import ask, cached_of, client_of, metrics_of, ours, theirs
+from .servers import ask, by_label, cached_of, client_of, ours, theirs
 
 CONFIGS = {"host": (), "disk": ("--host-cache-mib", "0", "--cache-dir", "{tmp}"),
            "none": ("--host-cache-mib", "0")}
-
-
-class Sampler(threading.Thread):
-    """Polls the server's host-tier gauges until stopped: the most used, the limit."""
-
-    def __init__(self, server):
-        super().__init__(daemon=True)
-        self.server, self.stop, self.most, self.limit, self.samples = server, threading.Event(), 0, 0, 0
-
-    def run(self) -> None:
-        while not self.stop.wait(0.2):
-            got = metrics_of(self.server)
-            self.most = max(self.most, got.get(("swarmkv_host_cache_bytes", "used"), 0))
-            self.limit = got.get(("swarmkv_host_cache_bytes", "limit"), 0)
-            self.samples += 1
 
 
 def timed(client, args, messages: list[dict]) -> dict:
@@ -72,12 +57,10 @@ def sequence(server, args, docs: list[str], questions: list[str]) -> dict:
 def one_config(args, flags: tuple[str, ...], docs: list[str], questions: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp, \
             ours(args, args.doc_tokens + 1024, extra=tuple(f.format(tmp=tmp) for f in flags)) as server:
-        sampler = Sampler(server)
-        sampler.start()
-        row = sequence(server, args, docs, questions)
-        sampler.stop.set()
-        sampler.join()
-        row["host_bytes_most"], row["host_bytes_limit"], row["samples"] = sampler.most, sampler.limit, sampler.samples
+        with Peaks(lambda: by_label(server, "swarmkv_host_cache_bytes", by="state")) as host:
+            row = sequence(server, args, docs, questions)
+        row["host_bytes_most"], row["host_bytes_limit"], row["samples"] = host.most["used"], host.most["limit"], \
+            host.samples
     return row
 
 

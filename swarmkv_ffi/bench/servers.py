@@ -30,6 +30,13 @@ def scrape(server) -> list:
     return [s for family in text_string_to_metric_families(text) for s in family.samples]
 
 
+def by_label(server, name: str, by: str = "model", **labels: str) -> dict[str, float]:
+    """{its `by` label: value} of the samples of one scrape called `name` whose other
+    labels are `labels`."""
+    return {s.labels[by]: s.value for s in scrape(server)
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())}
+
+
 def metrics_of(server) -> dict:
     """One scrape of a server hosting one model: {(name, its label other than `model`,
     or ""): value}."""
