@@ -125,11 +125,13 @@ def test_an_exact_pool_keeps_left_cells_in_its_tomb_and_is_not_rebuilt(conductor
     from corpus import DOC
     c = conductor
     c.register("v", "smollm2-135m", n_ctx=1024, owner=B, prefix=DOC)
+    c.register("m", "smollm2-135m", n_ctx=1024, owner=A, prefix=DOC)
+    c.decode("m", 1, "hi", owner=A)        # both have DECODEd (m first, then reset): the pool is
+    c.reset("m", owner=A)                  # sized for both, and m never needs a context of its own
     alone = []
     for q in ("Question: who may use it?", "Question: what is a Contribution?"):
         c.reset("v", owner=B)
         alone.append(c.decode("v", 10, q, owner=B).text)
-    c.register("m", "smollm2-135m", n_ctx=1024, owner=A, prefix=DOC)
     together = []
     for i, q in enumerate(("Question: who may use it?", "Question: what is a Contribution?")):
         for k in range(5):

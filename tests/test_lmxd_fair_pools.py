@@ -64,8 +64,10 @@ def decoding(daemon: Daemon) -> set[str]:
     return set() if value in ("-", "None") else set(value.split(","))
 
 
-def pool_line(daemon: Daemon) -> dict:
-    (line,) = [x for x in daemon.client().status()["lines"] if x.startswith("OK pool ")]
+def pool_line(daemon: Daemon, alone: str | None = None) -> dict:
+    """The STATUS line of the one open pool (or of the one that is, or is not, a user's own)."""
+    (line,) = [x for x in daemon.client().status()["lines"] if x.startswith("OK pool ")
+               and (alone is None or f" alone={alone} " in x)]
     return fields([line.replace("OK pool ", "OK ")])
 
 
@@ -168,17 +170,53 @@ def test_bookings_are_the_agents_own_whoever_registers_beside_them(daemon):
     assert [fields([line])["reserved_bytes"] for line in booked] == [alone] * 3
 
 
-def test_a_pool_shrinks_when_agents_leave(daemon):
-    """Mallory registers agents of growing n_ctx one at a time and decodes each (the pool
-    reopens larger for them), then unregisters them: the live pool then holds no more
-    cells than the agents left booked plus one agent's n_ctx."""
+def test_a_pool_grows_for_its_users_and_shrinks_when_they_leave(daemon):
+    """The victim's own agents of growing n_ctx, registered one at a time and decoded, make
+    its pool reopen larger (nobody else sits in it); Mallory's, registered beside them,
+    go to a context of her own, rebuilt larger for each. Once all are unregistered, the
+    victim's pool holds no more cells than the agents left booked plus one agent's n_ctx,
+    and Mallory's context is gone with everything booked to her."""
     ok(as_user(VICTIM, daemon, "REGISTER v smollm2-135m n_ctx=512", "DECODE v 4 Hello")[1])
-    for i, n_ctx in enumerate((1024, 2048, 4096)):
+    sizes = (1024, 2048, 4096)
+    for i, n_ctx in enumerate(sizes):
+        ok(as_user(VICTIM, daemon, f"REGISTER w{i} smollm2-135m n_ctx={n_ctx}", f"DECODE w{i} 2 Hi")[1])
         ok(as_user(MALLORY, daemon, f"REGISTER m{i} smollm2-135m n_ctx={n_ctx}", f"DECODE m{i} 2 Hi")[1])
-    grown = int(pool_line(daemon)["cells"])
-    assert grown > 512 + 1024
+    shared, own = (pool_line(daemon, alone) for alone in ("false", "true"))
+    assert int(shared["cells"]) >= 512 + sum(sizes) and int(own["cells"]) >= sum(sizes), (shared, own)
+    assert int(shared["opens"]) > 1, shared       # it did grow: reopened for the victim's agents
     for i in range(3):
+        ok(as_user(VICTIM, daemon, f"UNREGISTER w{i}")[0])
         ok(as_user(MALLORY, daemon, f"UNREGISTER m{i}")[0])
     ok(as_user(VICTIM, daemon, "DECODE v 4 Still here?")[0])
-    cells = int(pool_line(daemon)["cells"])
-    assert cells <= 512 + 512 + 256, (grown, cells)
+    cells = int(pool_line(daemon)["cells"])      # (one pool left: Mallory's is gone)
+    assert cells <= 512 + 512 + 256, (shared, cells)
+    (status,) = as_user(MALLORY, daemon, "STATUS")
+    assert fields(ok(status))["uid_ledger_bytes"] == "0", status
+
+
+#: Issue #50's ladder: each of Mallory's agents larger than the pool the victim is in.
+LADDER = (6144, 12288, 18432, 24576, 30720, 36864)
+
+
+def test_another_users_growing_agents_never_pause_the_victim(daemon):
+    """The victim keeps one conversation going, 4 tokens a DECODE, while Mallory registers
+    agents of growing n_ctx one at a time, DECODEs 1 token with each and unregisters it.
+    None fits the pool the victim is seated in: each runs in a context of its own, so the
+    victim's pool is never reopened (no DECODE of its restored from host RAM) and, once
+    Mallory has left, no context of hers is left holding cells."""
+    ok(as_user(VICTIM, daemon, "REGISTER v smollm2-135m n_ctx=2048", "DECODE v 4 Count with me: 1, 2, 3,")[1])
+    before = pool_line(daemon)
+    ladder = Background(MALLORY, daemon, *[line for i, n_ctx in enumerate(LADDER) for line in (
+        f"REGISTER g{i} smollm2-135m n_ctx={n_ctx}", f"DECODE g{i} 1 hi", f"UNREGISTER g{i}")])
+    victim = []
+    while ladder.replies is None and len(victim) < 200:
+        victim += as_user(VICTIM, daemon, "DECODE v 4 and on:")
+    for reply in ladder.join():
+        ok(reply)
+    victim += as_user(VICTIM, daemon, "DECODE v 4 and on:")
+    assert len(victim) > 2, "the ladder ended before the victim's DECODEs ran beside it"
+    restored = [fields(ok(r)) for r in victim if fields(ok(r))["kv_swap_restored"] != "false"]
+    assert not restored, restored
+    after = pool_line(daemon)        # (one line: Mallory's contexts are gone)
+    assert (after["opens"], after["rebuilds"], after["cells"]) == (before["opens"], before["rebuilds"],
+                                                                   before["cells"]), (before, after)

@@ -286,8 +286,12 @@ def test_a_swap_hog_cannot_block_another_users_decode(tmp):
         tokens_before = int(fields([line for line in as_user(MALLORY, d, "LIST")[0]
                                     if "agent_id=h1" in line])["tokens"])
         v = as_user(VICTIM, d, "REGISTER v smollm2-135m n_ctx=256", "DECODE v 4 Hi there")
-        assert last(v[1]) == "OK done", v[1]                 # evicting Mallory's agent cost Mallory
+        assert last(v[1]) == "OK done", v[1]          # in a context of its own: nobody was paused
         (listing,) = as_user(MALLORY, d, "LIST")
+        assert "state=active" in next(line for line in listing if "agent_id=h1" in line)
+        (h3,) = as_user(MALLORY, d, "REGISTER h3 smollm2-135m n_ctx=256", "DECODE h3 4 More")[1:]
+        assert last(h3) == "OK done", h3              # her pool reopened for h3: her agents paused
+        (listing,) = as_user(MALLORY, d, "LIST")      # with no room in her swap share
         h1 = next(line for line in listing if "agent_id=h1" in line)
         assert "state=suspended" in h1 and "kv_host_bytes=0" in h1
         (again,) = as_user(MALLORY, d, "DECODE h1 3 and then")

@@ -11,7 +11,11 @@ then while the hostile uid runs one attack (--attacks, each in its own phase):
                (the victim's agent is a prefix agent over a document in this phase)
     stall      REGISTERs of a large n_ctx while agents of the same model are unregistered
     grow       agents of growing n_ctx registered one at a time, each decoded, then all
-               unregistered; the live pool's cells are sampled against the ledger's booking
+               unregistered; the pools' cells are sampled against the ledger's booking
+    ladder     issue #50's: agents of n_ctx 6,144 .. 36,864, each registered, decoded 1
+               token and unregistered before the next; the victim keeps one conversation
+               (no RESET, so a pause would have KV to swap) and counts its DECODEs
+               restored from host RAM; pools sampled as in grow
     oracle     the hostile user times 1-token DECODEs sent with the victim's at the same
                moment, half opening with the victim's prompt, half not, and classifies
                its samples by time (threshold chosen on one half, scored on the other)
@@ -43,7 +47,9 @@ from .measure import EXAMPLES, report_json, settings_of
 
 SYSTEM_PYTHON = "/usr/bin/python3"   # the venv may be unreadable to the other uids
 #: In this order: `mixed` last, since its hog's agents stay registered and hold the swap share.
-ATTACKS = ("prefill", "newcomer", "churn", "stall", "grow", "oracle", "mixed")
+ATTACKS = ("prefill", "newcomer", "churn", "stall", "grow", "ladder", "oracle", "mixed")
+#: Issue #50's ladder of n_ctx (the ladder attack).
+LADDER = (6144, 12288, 18432, 24576, 30720, 36864)
 
 #: Shared by the client scripts: one request (with descriptors), its reply's lines.
 ASK = r"""
@@ -68,20 +74,22 @@ def fields(reply):
 """
 
 VICTIM = ASK + r"""
-path, n, max_tokens, doc = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+path, n, max_tokens, doc, keep = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == '1'
 s, f = connect(path)
-reg = 'REGISTER v smollm2-135m n_ctx=1024' + (' prefix=@fd' if doc != '-' else '')
+n_ctx = max(1024, 64 + n * (max_tokens + 40)) if keep else 1024   # keep: room for the whole conversation
+reg = f'REGISTER v smollm2-135m n_ctx={n_ctx}' + (' prefix=@fd' if doc != '-' else '')
 assert ask(s, f, reg, [doc] if doc != '-' else [])[-1] == 'OK done'
 ask(s, f, 'DECODE v 4 warm up')
 lat, errors, parts = [], [], []
 for i in range(n):
-    ask(s, f, 'RESET v')
+    if not keep: ask(s, f, 'RESET v')
     t = time.perf_counter()
     r = ask(s, f, f'DECODE v {max_tokens} Count with me, round {i}: 1, 2, 3, 4, 5, 6,')
     if r[-1] != 'OK done': errors.append(r[-1])
     lat.append((time.perf_counter() - t) * 1e3)
     kv = fields(r)
     parts.append({k: float(kv[k]) for k in ('queued_ms', 'swap_ms', 'slices', 'generated_tokens') if k in kv})
+    parts[-1]['restored'] = kv.get('kv_swap_restored') == 'true'
 ask(s, f, 'UNREGISTER v')
 print(json.dumps({'latency_ms': lat, 'errors': errors, 'parts': parts}))
 """
@@ -104,7 +112,7 @@ ask(s, f, f'UNREGISTER {role}')
 print(json.dumps(samples))
 """
 
-HOSTILE = ASK + r"""
+HOSTILE = ASK + f"LADDER = {LADDER!r}\n" + r"""
 path, seconds, attack, doc, queue_threads = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 stop_at = time.monotonic() + seconds
 counts, lock, held = {}, threading.Lock(), []
@@ -179,6 +187,13 @@ def grow():
             count('grow_register_' + code(ask(s, f, f'REGISTER g{k} smollm2-135m n_ctx={n_ctx}')))
             count('grow_decode_' + code(ask(s, f, f'DECODE g{k} 2 hi')))
         for k in range(4): ask(s, f, f'UNREGISTER g{k}')
+def ladder(sizes):
+    s, f = connect(path); i = 0
+    while going():
+        for n_ctx in sizes:
+            count('ladder_register_' + code(ask(s, f, f'REGISTER l{i} smollm2-135m n_ctx={n_ctx}')))
+            count('ladder_decode_' + code(ask(s, f, f'DECODE l{i} 1 hi')))
+            ask(s, f, f'UNREGISTER l{i}'); i += 1
 T = lambda fn, *a: threading.Thread(target=fn, args=a, daemon=True)
 threads = {
     'mixed': [T(flood), T(slowloris, 6), T(swaphog)] + [T(stream, f'q{j}', 1024, 400) for j in range(queue_threads)],
@@ -187,6 +202,7 @@ threads = {
     'churn': [T(churn)],
     'stall': [T(stall_big), T(stall_small)],
     'grow': [T(grow)],
+    'ladder': [T(ladder, LADDER)],
 }[attack]
 def report(*_):
     with lock: print(json.dumps(counts), flush=True)
@@ -217,8 +233,9 @@ def start_daemon(sock: Path, args) -> subprocess.Popen:
     return start_lmxd(sock, *flags, log=sock.parent / "lmxd.log")
 
 
-def victim_run(sock: Path, args, doc: str) -> dict:
-    p = as_uid(args.victim_uid, VICTIM, str(sock), str(args.decodes), str(args.max_tokens), doc)
+def victim_run(sock: Path, args, doc: str, keep: bool = False) -> dict:
+    """The victim's DECODEs: each after a RESET, or (keep) all in one conversation."""
+    p = as_uid(args.victim_uid, VICTIM, str(sock), str(args.decodes), str(args.max_tokens), doc, str(int(keep)))
     out, _ = p.communicate(timeout=3600)
     if p.returncode != 0:
         raise RuntimeError("the victim's client failed")
@@ -226,12 +243,15 @@ def victim_run(sock: Path, args, doc: str) -> dict:
     run["summary"] = summary(run["latency_ms"])
     for key in ("queued_ms", "swap_ms", "slices", "generated_tokens"):
         run["summary"][f"mean_{key}"] = statistics.fmean(p.get(key, 0.0) for p in run["parts"]) if run["parts"] else None
+    run["summary"]["restored"] = sum(p["restored"] for p in run["parts"])
     return run
 
 
 class PoolWatch:
-    """Samples the live pool's cells against the cells its agents booked (STATUS and LIST
-    as the daemon's own user, who sees every agent) while an attack runs."""
+    """Samples the conversations' pools' cells against the cells their agents booked
+    (STATUS and LIST as the daemon's own user, who sees every agent) while an attack
+    runs: per mode (fast, exact), the cells of its pools (the shared one and users' own)
+    against its agents' n_ctx plus one largest n_ctx per pool, the slack pool.py allows."""
 
     def __init__(self, sock: Path):
         from ..conductor.client import LmxClient
@@ -247,21 +267,22 @@ class PoolWatch:
                 agents = self._client.list()
             except Exception:        # noqa: BLE001 - a sample missed is a sample missed
                 continue
-            pool = next((x for x in lines if x.startswith("OK pool ")), None)
-            if pool is None:
-                continue
-            kv = dict(p.split("=", 1) for p in pool[len("OK pool "):].split() if "=" in p)
-            exact = kv["exact"] == "true"
-            mine = [int(a["n_ctx"]) for a in agents if (a.get("prefix", "-") != "-") == exact]
-            self.samples.append({"cells": int(kv["cells"]), "booked_cells": sum(mine),
-                                 "largest_n_ctx": max(mine, default=0)})
+            pools = [dict(p.split("=", 1) for p in x[len("OK pool "):].split() if "=" in p)
+                     for x in lines if x.startswith("OK pool ")]
+            for exact in ("false", "true"):
+                mine = [int(a["n_ctx"]) for a in agents if (a.get("prefix", "-") != "-") == (exact == "true")]
+                cells = [int(kv["cells"]) for kv in pools if kv["exact"] == exact and kv["requests"] == "false"]
+                if cells:
+                    self.samples.append({"cells": sum(cells), "pools": len(cells), "booked_cells": sum(mine),
+                                         "largest_n_ctx": max(mine, default=0)})
 
     def stop(self) -> dict:
         self._stop.set()
         self._thread.join(timeout=30)
         self._client.close()
-        over = [s["cells"] - s["booked_cells"] - s["largest_n_ctx"] for s in self.samples]
+        over = [s["cells"] - s["booked_cells"] - s["pools"] * s["largest_n_ctx"] for s in self.samples]
         return {"samples": len(self.samples), "max_cells": max((s["cells"] for s in self.samples), default=0),
+                "max_pools": max((s["pools"] for s in self.samples), default=0),
                 "max_cells_over_booking_plus_one_agent": max(over, default=0),
                 "samples_over": sum(1 for o in over if o > 0)}
 
@@ -270,9 +291,9 @@ def attack_phase(sock: Path, args, attack: str, doc: Path) -> dict:
     """The victim's DECODEs while `attack` runs (a fresh uid for the newcomer)."""
     uid = args.newcomer_uid if attack == "newcomer" else args.hostile_uid
     hostile = as_uid(uid, HOSTILE, str(sock), "3600", attack, str(doc), str(args.queue_threads))
-    watch = PoolWatch(sock) if attack == "grow" else None
+    watch = PoolWatch(sock) if attack in ("grow", "ladder") else None
     time.sleep(5)                                       # the attack is in place
-    victim = victim_run(sock, args, str(doc) if attack == "churn" else "-")
+    victim = victim_run(sock, args, str(doc) if attack == "churn" else "-", keep=attack == "ladder")
     hostile.terminate()
     out, _ = hostile.communicate(timeout=60)
     phase = {"victim": victim, "hostile_counts": json.loads(out) if out.strip().startswith("{") else None}
@@ -338,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         alone = {"plain": victim_run(sock, args, "-")}
         if "churn" in attacks:
             alone["prefix"] = victim_run(sock, args, str(doc))
+        if "ladder" in attacks:
+            alone["kept"] = victim_run(sock, args, "-", keep=True)
         report["alone"] = {k: v["summary"] for k, v in alone.items()}
         for attack in attacks:
             print(f"under attack: {attack} ...", flush=True)
@@ -348,13 +371,14 @@ def main(argv: list[str] | None = None) -> int:
                       f"{report['oracle']['mean_ms_differ']:.0f} ms)", flush=True)
                 continue
             phase = attack_phase(sock, args, attack, doc)
-            base = report["alone"]["prefix" if attack == "churn" else "plain"]
+            base = report["alone"][{"churn": "prefix", "ladder": "kept"}.get(attack, "plain")]
             h = phase["victim"]["summary"]
             phase["p99_ratio"], phase["p50_ratio"] = h["p99_ms"] / base["p99_ms"], h["p50_ms"] / base["p50_ms"]
             phase["victim_errors"] = phase["victim"].pop("errors")
             report["attacks"][attack] = phase
             print(f"  victim p50 {base['p50_ms']:.0f} -> {h['p50_ms']:.0f} ms, p99 {base['p99_ms']:.0f} -> "
-                  f"{h['p99_ms']:.0f} ms ({phase['p99_ratio']:.2f}x); errors: {len(phase['victim_errors'])}"
+                  f"{h['p99_ms']:.0f} ms ({phase['p99_ratio']:.2f}x); restored {h['restored']} of {h['n']}; "
+                  f"errors: {len(phase['victim_errors'])}"
                   + (f"; pool {phase['pool']}" if "pool" in phase else ""), flush=True)
         report["daemon_alive_after"] = daemon.poll() is None
     finally:

@@ -4,7 +4,9 @@ Agents of one model decode together: they share one context (pool.py), a sequenc
 and the scheduler (scheduler.py) steps all their DECODEs with one llama_decode per
 token. One pool is live at a time: serving an agent of another model pauses the live
 pool's agents (each sequence's KV captured into a host-RAM snapshot) and frees its
-context; their conversations continue exactly where they were when they come back.
+context; their conversations continue exactly where they were when they come back. An
+agent too large for the shared pool that another user's agents sit in decodes in a
+context of its owner's own instead of making that pool reopen larger (own_context).
 
 Agents belong to the uid that registered them and are named within it: two users may
 both have an agent `a`, and every lookup is by (uid, id) at the moment of use, so no
@@ -16,6 +18,7 @@ tokens and re-reads them when it comes back.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -36,6 +39,8 @@ from .policy import Policy
 from .pool import Fixed, Kind, Pool, PoolKey, Seat, key_for, pool_key
 from .registry import Loaded, ModelRegistry
 from .scheduler import Run, Scheduler, Stopping
+
+log = logging.getLogger("lmxd")
 
 AGENT_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
@@ -113,6 +118,7 @@ class Agent:
     preempted: bool = False               # a request that gave its cells up: back, it books them all
     exact: bool = False                   # decodes in an exact pool without a document (a request pool's)
     booked_pool: PoolKey | None = None    # the pool whose compute buffer its admission counts on
+    alone: bool = False                   # it decodes in its owner's own context (own_context)
 
     @property
     def key(self) -> str:
@@ -143,7 +149,10 @@ class DecodeResult:
 
 
 def compute_key_of(pool: PoolKey) -> str:
-    """The ledger key of a pool's compute buffer (shared: no user is charged it)."""
+    """The ledger key of a pool's compute buffer: shared (no user is charged it), but a
+    user's own context's, charged to that user."""
+    if pool.alone:
+        return f"alone:{pool.alone}:{pool.model}:{'exact' if pool.exact else 'fast'}:compute"
     return f"compute:{pool.model}:{'exact' if pool.exact else 'fast'}:{'requests' if pool.requests else 'agents'}"
 
 
@@ -175,6 +184,7 @@ class Conductor:
         self.prefixes: dict[str, SharedPrefix] = {}
         self.request_pools: dict[PoolKey, Fixed] = {}   # requests.py's pools, by key
         self._computes: dict[PoolKey, int] = {}         # agents admitted per pool: its compute buffer's refs
+        self._building: set[PoolKey] = set()            # users' own contexts being made (own_context)
 
     # ---- REGISTER / UNREGISTER ------------------------------------------------------------
     def register(self, agent_id: str, model: str | ModelSource, n_ctx: int = 2048, owner: int | None = None,
@@ -366,9 +376,18 @@ class Conductor:
                 del self.agents[(owner, agent_id)]
             self._unseat(agent)
             self._leave_pools(agent)
-            key = pool_key(agent)
-            self.scheduler.shrink(key, self.agents_of(key), agent.owner)
-        self.scheduler.call(leave, agent)
+            key, left = pool_key(agent), self.agents_of(pool_key(agent))
+            if not agent.alone:
+                self.scheduler.shrink(key, left, agent.owner)
+            elif not left:                # the owner's last agent in its own context: it goes
+                self.ledger.release(compute_key_of(key))
+                return self.scheduler.detach(key)
+            elif key in self.scheduler.pools and self.scheduler.pools[key].oversized(left):
+                self._build_own(key, left[0])      # smaller, made apart as it was
+            return None
+        own = self.scheduler.call(leave, agent)
+        if own is not None:
+            own.discard()          # (freeing a large context takes a while: not on the scheduler's thread)
         self._free(agent)
 
     def _leave_pools(self, agent: Agent) -> None:
@@ -613,10 +632,86 @@ class Conductor:
                               "conversation was reset")
 
     def _unseat(self, agent: Agent) -> None:
-        """Drop the agent's sequence from the live pool, if it has one (no snapshot)."""
-        pool = self.scheduler.live
+        """Drop the agent's sequence from its pool, if it has one there (no snapshot): the
+        live pool or one that stays open beside it."""
+        pool = self.scheduler.pools.get(pool_key(agent))
         if pool is not None and pool.is_open and pool.seat_of(agent) is not None:
             pool.unseat(agent, pause=False)
+
+    # ---- a context of a user's own (on the scheduler's thread, but the building) ---------------
+    def own_context(self, pool: Pool, run: Run) -> bool:
+        """`run` cannot be seated in the shared `pool` unless it reopens larger. If another
+        user's agent sits in it, the run's agent decodes in a context of its owner's own
+        instead, beside the owner's other agents that outgrew it: joined now if it has
+        room, else made (or rebuilt larger) on a thread of its own while the scheduler goes
+        on stepping the others; True: the run waits for it. Reopening would pause every
+        resident to host RAM and back, once per growth step, at the cost of users who
+        asked for nothing (issue #50). Its compute buffer is booked to the owner (its
+        agents' cells are their own bookings already); a rebuild pauses the owner's agents
+        only. False (no other user there, or no room in the ledger or the owner's share
+        for that buffer): the scheduler reopens the shared pool as before."""
+        agent = run.agent
+        if agent.kind is not Kind.CONVERSATION or not any(s.agent.owner != agent.owner for s in pool.seats.values()):
+            return False
+        key = pool.key._replace(alone=str(agent.owner))
+        own = self.scheduler.pools.get(key)
+        if own is not None and own.is_open and own.fits(agent):
+            agent.alone = True          # its run joins that pool from the next step
+            return True
+        return self._build_own(key, agent)
+
+    def _build_own(self, key: PoolKey, agent: Agent) -> bool:
+        """Make uid key.alone's own context on a thread of its own, sized for `agent` and
+        the owner's agents of that model and mode not seated in the shared pool (those
+        already in its own context, those that have not decoded or wait to: all decode
+        there once it is made, in place of the one of that key, if any). False if its
+        compute buffer does not fit the ledger."""
+        if key in self._building:
+            return True
+        if not self.ledger.held(compute_key_of(key)):
+            owner = int(key.alone)
+            try:
+                self.ledger.reserve(compute_key_of(key), agent.loaded.context_bytes[2],
+                                    cap=self._cap(self.ledger, self.quotas.ledger_share, owner),
+                                    base=self._weights_used_by(owner))
+            except LedgerDenied:
+                return False
+        shared_key = key._replace(alone="")
+        shared = self.scheduler.pools.get(shared_key)
+        with self._lock:
+            mine = [a for a in self.agents.values() if a.owner == agent.owner and a.kind is Kind.CONVERSATION
+                    and pool_key(a)._replace(alone="") == shared_key
+                    and (shared is None or not shared.is_open or shared.seat_of(a) is None)]
+        self._building.add(key)
+        threading.Thread(target=self._open_own, args=(key, agent, mine), daemon=True,
+                         name=f"lmxd-own-{key.alone}").start()
+        return True
+
+    def _open_own(self, key: PoolKey, agent: Agent, sized_for: list[Agent]) -> None:
+        """(A thread of its own.) Open the context, then hand it to the scheduler."""
+        own = self.open_pool(key, agent.loaded)
+        try:
+            own.open(sized_for)
+        except Exception:              # noqa: BLE001 - the run is told by the reopen that follows
+            log.exception("opening uid %s's own context failed", key.alone)
+            own = None
+
+        def adopt() -> bool:
+            self._building.discard(key)
+            shared = self.scheduler.pools.get(key._replace(alone=""))
+            with self._lock:
+                here = [a for a in sized_for if self.agents.get((a.owner, a.id)) is a
+                        and (shared is None or not shared.is_open or shared.seat_of(a) is None)]
+            if own is None or not here:
+                if key not in self.scheduler.pools:
+                    self.ledger.release(compute_key_of(key))
+                return False
+            self.scheduler.adopt(own)
+            for a in here:
+                a.alone = True
+            return True
+        if not self.scheduler.call(adopt) and own is not None:
+            own.discard()
 
     def reset(self, agent_id: str, owner: int | None = None) -> None:
         """Clear the agent's conversation (a prefix agent goes back to its document), once

@@ -30,6 +30,13 @@ room), so the pool holds no more KV than the agents' bookings in the ledger cove
 one agent's n_ctx; when agents leave and it holds more than that, it is `oversized`
 and reopened smaller.
 
+A reopen pauses every resident to host RAM and back. So an agent registered since the
+pool opened that does not fit it, while another user's agent sits in it, does not
+reopen it: it decodes in a context of its owner's own (`PoolKey.alone`, made on the
+owner's thread and booked to the owner: agents.py) with that owner's other such agents,
+until they leave; it is rebuilt larger for them the same way. One user's agents of
+growing size cost that user, not everyone in the pool.
+
 A request pool (requests.py: the pool a RequestPool opens, which serve/ submits to) has a
 fixed size and keeps the cells of finished requests (`kept`, least recently used first
 out) so that a later request that starts with the same tokens forks them instead of
@@ -100,18 +107,20 @@ class PoolKey(NamedTuple):
     model: str          # the model file's key
     exact: bool         # batch-invariant kernels (prefix agents, requests of an exact pool)
     requests: bool      # a request pool's (a fixed size, finished requests' cells kept)
+    alone: str = ""     # a context of one user's own (its uid): its agents outgrew the shared one
 
 
 def pool_key(agent) -> PoolKey:
     """The pool an agent decodes in."""
-    return key_for(agent.file.key, agent.exact, agent.prefix is not None, agent.kind)
+    return key_for(agent.file.key, agent.exact, agent.prefix is not None, agent.kind,
+                   str(agent.owner) if agent.alone else "")
 
 
-def key_for(model: str, exact: bool, with_prefix: bool, kind: "Kind") -> PoolKey:
+def key_for(model: str, exact: bool, with_prefix: bool, kind: "Kind", alone: str = "") -> PoolKey:
     """The pool of an agent of this model file, mode and kind (before it exists, as
     admission needs it): exact with a document or when asked; a request pool's or one
-    of lmxd's pools sized for its conversations."""
-    return PoolKey(model, with_prefix or exact, kind is not Kind.CONVERSATION)
+    of lmxd's pools sized for its conversations; `alone`: the uid whose own context it is."""
+    return PoolKey(model, with_prefix or exact, kind is not Kind.CONVERSATION, alone)
 
 
 @dataclass

@@ -53,6 +53,12 @@ SLICE_TOKENS = 32
 #: most GATHER_MAX): agents that send at once start in one step, not one step each.
 GATHER_GAP = 0.002
 GATHER_MAX = 0.02
+#: A scheduler with waiting runs none of which can run now checks again after this long
+#: (or as soon as a DECODE, an operation or an own context arrives).
+IDLE_WAIT = 0.005
+#: A reopen for a newly registered agent (one that found no room for a context of its own)
+#: waits up to this long for other users' DECODEs under way in the pool to end first.
+REOPEN_WAIT = 2.0
 #: A server request waits for a running request of its owner to decode a common opening
 #: of at least this many more tokens than the pool already holds, then forks it.
 WAIT_FOR_PREFIX = 32
@@ -231,6 +237,28 @@ class Scheduler:
             if self.live is pool:
                 self.live = None
 
+    def adopt(self, pool: Pool) -> None:
+        """(On this thread.) Serve `pool`, opened elsewhere (a user's own context: agents.py)
+        in place of the pool of its key, whose agents are paused (their runs wait to
+        rejoin: in `pool`)."""
+        old = self.pools.get(pool.key)
+        if old is not None and old.is_open:
+            if self.live is old:
+                for run in list(self._batch):
+                    self._to_waiting(run)
+                self.live = None
+            old.close()
+        pool.prefill_row_s = self._cost(pool).prompt_row_seconds
+        self.pools[pool.key] = pool
+
+    def detach(self, key: PoolKey) -> Pool | None:
+        """(On this thread.) Stop serving pool `key` (nobody is left in it); the caller
+        frees its context."""
+        pool = self.pools.pop(key, None)
+        if self.live is pool:
+            self.live = None
+        return pool
+
     def shrink(self, key: PoolKey, agents: list, owner: int) -> None:
         """An agent of `owner` left pool `key` (on this thread; `agents`: those left). If
         the pool holds more than one agent's n_ctx beyond what they booked, it is made
@@ -268,7 +296,9 @@ class Scheduler:
             for op in ops:
                 self._run_op(op)
             try:
-                self._tick()
+                if not self._tick():
+                    with self._cv:     # nothing could run (a run waits for room): until something changes
+                        self._cv.wait(IDLE_WAIT)
             except Exception:      # a bug, not a request's failure: keep serving the others
                 log.exception("scheduler step failed")
                 for run in self._waiting + self._batch:
@@ -295,13 +325,15 @@ class Scheduler:
             self._charge({op.agent.owner: time.perf_counter() - t0})
         op.done.set()
 
-    def _tick(self) -> None:
+    def _tick(self) -> bool:
+        """One round: the pool to serve, its waiting runs seated, one step. False when no
+        run could be stepped."""
         if not self._batch:
             self._gather()
         self._drop_stopped()
         pool = self._choose_pool()
         if pool is None:
-            return
+            return False
         if pool is not self.live or not pool.is_open or pool.stale:
             try:   # (a stale pool is rebuilt: its cells are out of order, or it is oversized)
                 self._switch(pool, pool.rebuild_by if pool.is_open and pool.stale else self._payer_of(pool))
@@ -313,12 +345,14 @@ class Scheduler:
                         self._fail(run, exc)
                     else:
                         self._finish(run, error=exc)
-                return
+                return True
         self._join()
         if self._batch:
             self._reserve(self.live)
-        if self._batch:
-            self._step()
+        if not self._batch:
+            return False
+        self._step()
+        return True
 
     def _gather(self) -> None:
         woke = time.monotonic()
@@ -373,14 +407,15 @@ class Scheduler:
         while a request pool is live (each pool books its own compute buffer: agents.py),
         so requests and conversations of one model take turns without rebuilding each
         other. Between lmxd's conversations' pools the seed's time-slicing stays: the one
-        that was live has its agents paused to host RAM and its context freed. `pool`,
+        that was live has its agents paused to host RAM and its context freed, unless one
+        of the two is an agent's own context (booked apart: agents.py). `pool`,
         unless open (or if stale: rebuilt), opens sized for its agents that have DECODEd
         and every agent of `payers` (uid -> weight), who are charged its time."""
         t0 = time.perf_counter()
         for run in list(self._batch):
             self._to_waiting(run)
         left = self.live
-        if left is not None and left.is_open and (left is pool or (left.fixed is None and pool.fixed is None)):
+        if left is not None and left.is_open and (left is pool or self._time_sliced(left, pool)):
             last = left.last
             paused = left.close()
             self._switch_evicted = last if last in paused else (paused[-1] if paused else None)
@@ -393,6 +428,11 @@ class Scheduler:
             if run.pool_key == pool.key:
                 run.swap_s += cost
         self._charge(self.policy.by_rows(payers, cost))
+
+    @staticmethod
+    def _time_sliced(left: Pool, pool: Pool) -> bool:
+        """Whether serving `pool` closes `left`: both are shared conversations' pools."""
+        return not (left.fixed or pool.fixed or left.key.alone or pool.key.alone)
 
     def _to_waiting(self, run: Run) -> None:
         if run in self._batch:
@@ -455,12 +495,16 @@ class Scheduler:
         return pool.coming(agent) >= pool.match(agent)[0] + WAIT_FOR_PREFIX
 
     def _make_room(self, pool: Pool, run: Run) -> bool:
-        """Free a seat for `run`'s agent: pause idle residents (its owner's own first, then
-        the least recently used of others: freely those of users holding as many cells,
-        the rest as often as its owner may reopen a pool; charged to `run`'s owner);
-        reopen the pool larger if agents were registered since it opened (its runs rejoin
-        at once); else, if the batch is full of runs whose slice is over, the one of the
-        user who has used the most gives its seat up. False when `run` must wait."""
+        """Free a seat for `run`'s agent. If agents were registered since the pool opened and
+        its owner's own idle seats cannot make room while another user's agent sits here,
+        the agent decodes in a context of its owner's own (agents.py: the run waits for
+        it), pausing nobody. Else pause idle residents (its owner's own first, then the
+        least recently used of others: freely those of users holding as many cells, the
+        rest as often as its owner may reopen a pool; charged to `run`'s owner); or reopen
+        the pool larger for agents registered since it opened (no room in the ledger for
+        an own context: once no other user's DECODE is under way here; its runs rejoin at
+        once); else, if the batch is full of runs whose slice is over, the one of the user
+        who has used the most gives its seat up. False when `run` must wait."""
         if pool.fixed is not None and not pool.seats and not pool.could_hold(run.agent):
             self._finish(run, error=NoRoom(pool.no_room(run.agent)))   # it could never run to its end
             return False
@@ -475,8 +519,12 @@ class Scheduler:
             if pool.stale:
                 self._switch(pool, pool.rebuild_by)
             return pool.fits(run.agent)
+        undersized = pool.undersized(self.host.agents_of(pool.key, sizing_for={run.owner}))
         idle = self._pausable(pool, run, seqs, cells)
-        if len(pool.free_seqs) + len(idle) >= seqs and pool.cells_free + sum(s.cells for s in idle) >= cells:
+        if undersized and not self._room(pool, [s for s in idle if s.agent.owner == run.owner], seqs, cells) \
+                and self.host.own_context(pool, run):
+            return False       # it decodes in a context of its owner's own (agents.py), pausing nobody
+        if self._room(pool, idle, seqs, cells):
             t0 = time.perf_counter()
             for seat in idle:          # pausing them all would make room: pause only as many as needed
                 pool.unseat(seat.agent, pause=True)
@@ -485,9 +533,9 @@ class Scheduler:
                     break
             self._charge({run.owner: time.perf_counter() - t0})
             return True
-        if pool.undersized(self.host.agents_of(pool.key, sizing_for={run.owner})):
-            if not self.policy.reopen(run.owner):
-                return False       # its owner reopened pools too often this minute: it waits
+        if undersized:
+            if self._others_under_way(pool, run) or not self.policy.reopen(run.owner):
+                return False       # not in another user's DECODE, nor too often a minute: it waits
             self._switch(pool, {run.owner: 1.0})     # agents registered since it opened: reopen it larger
             return pool.fits(run.agent)
         done = [r for r in self._batch if r.slice_tokens >= SLICE_TOKENS
@@ -495,6 +543,19 @@ class Scheduler:
         if done:
             self._to_waiting(max(done, key=self._order))
         return False
+
+    @staticmethod
+    def _room(pool: Pool, seats: list, seqs: int, cells: int) -> bool:
+        """Whether pausing `seats` would leave `seqs` sequences and `cells` cells free."""
+        return len(pool.free_seqs) + len(seats) >= seqs and pool.cells_free + sum(s.cells for s in seats) >= cells
+
+    def _others_under_way(self, pool: Pool, run: Run) -> bool:
+        """Whether another user has a DECODE under way in `pool` that a reopen for `run`
+        would interrupt (for at most REOPEN_WAIT seconds of `run`'s wait: then it goes)."""
+        if time.perf_counter() - run.since > REOPEN_WAIT:
+            return False
+        return any(r.began and r.owner != run.owner and r.pool_key == pool.key
+                   for r in self._batch + self._waiting)
 
     def _pausable(self, pool: Pool, run: Run, seqs: int, cells: int) -> list:
         """The idle seats `run` may pause for a seat, in order: its owner's own, then others'
@@ -511,7 +572,7 @@ class Scheduler:
         free = [s for s in idle if s.agent.owner == run.owner or held[s.agent.owner] >= mine]
         if len(free) == len(idle):
             return idle
-        if len(pool.free_seqs) + len(free) >= seqs and pool.cells_free + sum(s.cells for s in free) >= cells:
+        if self._room(pool, free, seqs, cells):
             return free
         if self.policy.reopen(run.owner):
             return idle

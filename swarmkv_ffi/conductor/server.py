@@ -405,7 +405,8 @@ class Server:
                 if pool.ctx is None:
                     continue
                 lines.append("pool " + protocol.kv(model=pool.loaded.name, exact=pool.exact,
-                                                   requests=pool.fixed is not None, live=pool is live_pool,
+                                                   requests=pool.fixed is not None, alone=bool(pool.key.alone),
+                                                   live=pool is live_pool,
                                                    seated=len(pool.seats), seqs=pool.ctx.n_seq_max,
                                                    cells=pool.ctx.n_ctx, cells_free=pool.cells_free,
                                                    tomb_cells=pool.tomb_cells, rebuilds=pool.rebuilds,
