@@ -159,3 +159,27 @@ def test_a_document_whose_host_copy_does_not_fit_the_swap_budget_still_answers()
         assert c.decode("p", 6, "Question: who may use it?", owner=A).text == first.text
     finally:
         c.close()
+
+
+def test_a_leaver_pauses_nobody_the_pool_books_its_spare_cells_instead(conductor):
+    """A grew the pool while alone in it (an agent of 4,096 cells, reset, its cells free);
+    B's agent sits in it; A's agent leaves: the pool is not shrunk under B (which would
+    pause B to host RAM for A's departure), its spare cells are booked in the ledger as
+    the pool's own, and that booking goes with its context once B has left too."""
+    from swarmkv_ffi.conductor.agents import excess_key_of
+    c = conductor
+    c.register("m", "smollm2-135m", n_ctx=4096, owner=A)
+    c.decode("m", 1, "hi", owner=A)
+    c.reset("m", owner=A)
+    c.register("v", "smollm2-135m", n_ctx=512, owner=B)
+    c.decode("v", 4, "Hello", owner=B)
+    pool = c.scheduler.live
+    assert pool.ctx.n_ctx >= 4096 and pool.seat_of(c.get("v", B)) is not None
+    c.unregister("m", owner=A)
+    key = excess_key_of(pool.key)
+    cells, kv, _ = pool.loaded.context_bytes
+    assert c.ledger.held(key) == -(-kv * (pool.ctx.n_ctx - 512) // cells)
+    assert not c.decode("v", 4, " and on", owner=B).restored
+    assert c.scheduler.live is pool and pool.ctx.n_ctx >= 4096
+    c.unregister("v", owner=B)
+    assert c.ledger.held(key) == 0 and not pool.is_open

@@ -156,6 +156,31 @@ def compute_key_of(pool: PoolKey) -> str:
     return f"compute:{pool.model}:{'exact' if pool.exact else 'fast'}:{'requests' if pool.requests else 'agents'}"
 
 
+#: The CPU priority (nice) of the threads that make and free users' own contexts: low, so
+#: the decode threads win the cores, but not the lowest (19), under which a busy daemon
+#: left an own context unmade for tens of seconds (#50's ladder: 8 steps in a phase).
+NICE = 10
+
+
+def excess_key_of(pool: PoolKey) -> str:
+    """The ledger key of a pool's cells beyond its agents' bookings (Conductor.book_excess)."""
+    return f"excess:{pool.model}:{'exact' if pool.exact else 'fast'}:{pool.alone or 'shared'}"
+
+
+def in_background(fn, name: str) -> None:
+    """Run fn() on a thread of its own at the lowest CPU priority: making or freeing a
+    user's own context (clearing or unmapping up to a gigabyte of KV) yields the cores to
+    the scheduler's decode threads, so the users decoding meanwhile do not wait for it;
+    its owner does."""
+    def low() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)   # this thread (Linux)
+        except (OSError, AttributeError):
+            pass                   # elsewhere: it runs at the daemon's priority
+        fn()
+    threading.Thread(target=low, name=name, daemon=True).start()
+
+
 def named_source(model: str) -> ModelSource:
     """A model named by a packaged short name (trusted: it skips the sandbox) or by a path
     the daemon may open itself (the operator's own, or one access.py vouched for)."""
@@ -386,8 +411,8 @@ class Conductor:
                 self._build_own(key, left[0])      # smaller, made apart as it was
             return None
         own = self.scheduler.call(leave, agent)
-        if own is not None:
-            own.discard()          # (freeing a large context takes a while: not on the scheduler's thread)
+        if own is not None:        # (freeing a large context takes a while: not on the scheduler's thread)
+            in_background(own.discard, f"lmxd-free-{own.key.alone}")
         self._free(agent)
 
     def _leave_pools(self, agent: Agent) -> None:
@@ -543,7 +568,20 @@ class Conductor:
         with self._lock:
             fixed = self.request_pools.get(key) if key.requests else None
         return Pool(key, loaded, new_context=self._new_context, pause=self._pause,
-                    keep_prefix=self._keep_prefix, drop_saved=self._drop_saved, fixed=fixed)
+                    keep_prefix=self._keep_prefix, drop_saved=self._drop_saved, fixed=fixed,
+                    freed=lambda k: self.ledger.release(excess_key_of(k)))
+
+    def book_excess(self, pool: Pool, agents: list[Agent]) -> bool:
+        """(On the scheduler's thread.) Book the cells of `pool` beyond its agents' own
+        bookings as the pool's (shared, as its compute buffer is), until its context goes:
+        True, or False when the ledger has no room for them (the pool must shrink now)."""
+        cells, kv, _ = pool.loaded.context_bytes
+        extra = pool.ctx.n_ctx - sum(a.n_ctx for a in agents)
+        try:
+            self.ledger.settle({excess_key_of(pool.key): max(1, -(-kv * extra // cells))})
+        except LedgerDenied:
+            return False
+        return True
 
     # ---- request pools (requests.py) ---------------------------------------------------------
     def add_request_pool(self, reservation: Agent, fixed: Fixed) -> PoolKey:
@@ -683,8 +721,7 @@ class Conductor:
                     and pool_key(a)._replace(alone="") == shared_key
                     and (shared is None or not shared.is_open or shared.seat_of(a) is None)]
         self._building.add(key)
-        threading.Thread(target=self._open_own, args=(key, agent, mine), daemon=True,
-                         name=f"lmxd-own-{key.alone}").start()
+        in_background(lambda: self._open_own(key, agent, mine), f"lmxd-own-{key.alone}")
         return True
 
     def _open_own(self, key: PoolKey, agent: Agent, sized_for: list[Agent]) -> None:

@@ -28,7 +28,9 @@ A seat costs the agent's n_ctx in cells (less its document when it shares one), 
 context is sized for the agents of the pool registered when it opens (Conductor.agents_of; plus the tomb's
 room), so the pool holds no more KV than the agents' bookings in the ledger cover and
 one agent's n_ctx; when agents leave and it holds more than that, it is `oversized`
-and reopened smaller.
+and reopened smaller, unless another user's agents sit in it: then the cells beyond the
+bookings are booked in the ledger as the pool's own (the conductor's excess booking)
+until its context goes, so the ledger stays true and nobody is paused for a leaver.
 
 A reopen pauses every resident to host RAM and back. So an agent registered since the
 pool opened that does not fit it, while another user's agent sits in it, does not
@@ -149,13 +151,15 @@ class Pool:
     keep_prefix(agent, snapshot), the document's host copy; drop_saved(agent)."""
 
     def __init__(self, key: PoolKey, loaded, *, new_context: Callable, pause: Callable,
-                 keep_prefix: Callable, drop_saved: Callable, fixed: Fixed | None = None):
+                 keep_prefix: Callable, drop_saved: Callable, fixed: Fixed | None = None,
+                 freed: Callable = lambda key: None):
         self.key, self.loaded, self.exact = key, loaded, key.exact
         self.fixed = fixed                        # a request pool's settings; None: sized for its agents
         self.share_kept = fixed is not None and fixed.share
         self.store = fixed.store if fixed is not None else None
         self._new_context, self._pause, self._keep_prefix = new_context, pause, keep_prefix
         self._drop_saved = drop_saved
+        self._freed = freed                       # its context went: what was booked for it alone goes too
         self.ctx: Context | None = None
         self.seats: dict[str, Seat] = {}          # Agent.key -> its seat
         self.docs: dict[str, tuple[int, int]] = {}   # SharedPrefix.key -> (seq, cells)
@@ -189,6 +193,7 @@ class Pool:
     def open(self, agents: list) -> None:
         """Create the context for `agents` (every registered agent of this pool)."""
         n_ctx, n_seqs = self.size_for(agents)
+        self._freed(self.key)
         self.rebuilds += self.stale
         self.opens += 1
         self.ctx = self._new_context(self.loaded, n_ctx, n_seqs, self.exact)
@@ -212,6 +217,7 @@ class Pool:
         """Free the context without pausing anyone (the daemon stops, or the model went)."""
         if self.ctx is not None:
             self.ctx.close()
+            self._freed(self.key)
         self.ctx, self.seats, self.docs, self.kept, self.forks = None, {}, {}, {}, {}
 
     @property

@@ -164,6 +164,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._step_batch: Batch | None = None
         self._last_arrival = 0.0
+        self._stalled: set[PoolKey] = set()   # pools whose waiting runs could not be seated, since the last change
 
     # ---- the request threads' side ----------------------------------------------------------
     def submit(self, run: Run) -> None:
@@ -181,6 +182,7 @@ class Scheduler:
                 self.policy.arrive(run.owner, active)
             run.arrival = next(self._arrivals)
             self._last_arrival = time.monotonic()
+            self._stalled.clear()
             self._waiting.append(run)
             self._start()
             self._cv.notify_all()
@@ -262,11 +264,14 @@ class Scheduler:
     def shrink(self, key: PoolKey, agents: list, owner: int) -> None:
         """An agent of `owner` left pool `key` (on this thread; `agents`: those left). If
         the pool holds more than one agent's n_ctx beyond what they booked, it is made
-        smaller at `owner`'s cost: closed at once when no DECODE runs in it (its agents
+        smaller at `owner`'s cost (unless other users' agents sit in it and the ledger can
+        book its spare cells as the pool's until it closes: Conductor.book_excess): closed at once when no DECODE runs in it (its agents
         paused; the next DECODE opens it to size), else rebuilt before its next step."""
         pool = self.pools.get(key)
         if pool is None or not pool.is_open or not pool.oversized(agents):
             return
+        if any(s.agent.owner != owner for s in pool.seats.values()) and self.host.book_excess(pool, agents):
+            return                 # others sit in it: its spare cells booked, nobody paused for the leaver
         if not any(r.pool_key == key for r in self._waiting + self._batch):
             t0 = time.perf_counter()
             pool.close()           # idle: its agents wait in host RAM; the next DECODE opens it to size
@@ -296,8 +301,8 @@ class Scheduler:
             for op in ops:
                 self._run_op(op)
             try:
-                if not self._tick():
-                    with self._cv:     # nothing could run (a run waits for room): until something changes
+                if not self._tick() and all(r.pool_key in self._stalled for r in self._waiting):
+                    with self._cv:     # nothing can run (runs wait for room): until something changes
                         self._cv.wait(IDLE_WAIT)
             except Exception:      # a bug, not a request's failure: keep serving the others
                 log.exception("scheduler step failed")
@@ -323,6 +328,7 @@ class Scheduler:
             op.error = exc
         if op.agent is not None:
             self._charge({op.agent.owner: time.perf_counter() - t0})
+        self._stalled.clear()
         op.done.set()
 
     def _tick(self) -> bool:
@@ -350,6 +356,7 @@ class Scheduler:
         if self._batch:
             self._reserve(self.live)
         if not self._batch:
+            self._stalled.add(pool.key)      # its runs wait (for room, a reopen's turn): serve another
             return False
         self._step()
         return True
@@ -382,12 +389,15 @@ class Scheduler:
     def _choose_pool(self) -> Pool | None:
         """The live pool while its turn lasts (SLICE_SECONDS); then the pool of the first
         waiting run (least time used, then arrival) if it comes before every run in the
-        batch: another user who has used less, or the same user's older DECODE."""
+        batch: another user who has used less, or the same user's older DECODE. A pool
+        whose waiting runs could not be seated (waiting for room, or for their user's
+        next reopen) is passed over, until something changes, while another has runs."""
         if not self._waiting and not self._batch:
             return None
-        elsewhere = [r for r in self._waiting if self.live is None or r.pool_key != self.live.key]
+        ready = [r for r in self._waiting if r.pool_key not in self._stalled] or self._waiting
+        elsewhere = [r for r in ready if self.live is None or r.pool_key != self.live.key]
         if not self._batch:
-            return self._pool(min(self._waiting, key=self._order))
+            return self._pool(min(ready, key=self._order))
         if not elsewhere or time.monotonic() - self._turn_began < SLICE_SECONDS:
             return self.live
         best = min(elsewhere, key=self._order)
@@ -790,6 +800,7 @@ class Scheduler:
 
     # ---- endings ------------------------------------------------------------------------------
     def _finish(self, run: Run, error: BaseException | None = None) -> None:
+        self._stalled.clear()              # room may have freed for a run that waits
         with self._cv:
             if run in self._batch:
                 self._batch.remove(run)
