@@ -168,7 +168,7 @@ def excess_key_of(pool: PoolKey) -> str:
 
 
 def in_background(fn, name: str) -> None:
-    """Run fn() on a thread of its own at the lowest CPU priority: making or freeing a
+    """Run fn() on a thread of its own at a low CPU priority (NICE): making or freeing a
     user's own context (clearing or unmapping up to a gigabyte of KV) yields the cores to
     the scheduler's decode threads, so the users decoding meanwhile do not wait for it;
     its owner does."""
@@ -210,6 +210,7 @@ class Conductor:
         self.request_pools: dict[PoolKey, Fixed] = {}   # requests.py's pools, by key
         self._computes: dict[PoolKey, int] = {}         # agents admitted per pool: its compute buffer's refs
         self._building: set[PoolKey] = set()            # users' own contexts being made (own_context)
+        self._unmade: set[PoolKey] = set()              # ... whose making failed: that user reopens the shared pool from now on
 
     # ---- REGISTER / UNREGISTER ------------------------------------------------------------
     def register(self, agent_id: str, model: str | ModelSource, n_ctx: int = 2048, owner: int | None = None,
@@ -689,9 +690,10 @@ class Conductor:
         only. False (no other user there, or no room in the ledger or the owner's share
         for that buffer): the scheduler reopens the shared pool as before."""
         agent = run.agent
-        if agent.kind is not Kind.CONVERSATION or not any(s.agent.owner != agent.owner for s in pool.seats.values()):
-            return False
         key = pool.key._replace(alone=str(agent.owner))
+        if agent.kind is not Kind.CONVERSATION or key in self._unmade or \
+                not any(s.agent.owner != agent.owner for s in pool.seats.values()):
+            return False
         own = self.scheduler.pools.get(key)
         if own is not None and own.is_open and own.fits(agent):
             agent.alone = True          # its run joins that pool from the next step
@@ -714,15 +716,21 @@ class Conductor:
                                     base=self._weights_used_by(owner))
             except LedgerDenied:
                 return False
-        shared_key = key._replace(alone="")
-        shared = self.scheduler.pools.get(shared_key)
-        with self._lock:
-            mine = [a for a in self.agents.values() if a.owner == agent.owner and a.kind is Kind.CONVERSATION
-                    and pool_key(a)._replace(alone="") == shared_key
-                    and (shared is None or not shared.is_open or shared.seat_of(a) is None)]
+        mine = self._outside_shared(key)
         self._building.add(key)
         in_background(lambda: self._open_own(key, agent, mine), f"lmxd-own-{key.alone}")
         return True
+
+    def _outside_shared(self, key: PoolKey, among: list[Agent] | None = None) -> list[Agent]:
+        """(On the scheduler's thread.) The registered agents of uid key.alone of that
+        model and mode (of `among`, if given) not seated in the shared pool."""
+        shared_key = key._replace(alone="")
+        shared = self.scheduler.pools.get(shared_key)
+        with self._lock:
+            agents = [a for a in self.agents.values() if a.owner == int(key.alone)] if among is None else \
+                [a for a in among if self.agents.get((a.owner, a.id)) is a]
+        return [a for a in agents if a.kind is Kind.CONVERSATION and pool_key(a)._replace(alone="") == shared_key
+                and (shared is None or not shared.is_open or shared.seat_of(a) is None)]
 
     def _open_own(self, key: PoolKey, agent: Agent, sized_for: list[Agent]) -> None:
         """(A thread of its own.) Open the context, then hand it to the scheduler."""
@@ -735,10 +743,9 @@ class Conductor:
 
         def adopt() -> bool:
             self._building.discard(key)
-            shared = self.scheduler.pools.get(key._replace(alone=""))
-            with self._lock:
-                here = [a for a in sized_for if self.agents.get((a.owner, a.id)) is a
-                        and (shared is None or not shared.is_open or shared.seat_of(a) is None)]
+            if own is None:
+                self._unmade.add(key)
+            here = self._outside_shared(key, among=sized_for)
             if own is None or not here:
                 if key not in self.scheduler.pools:
                     self.ledger.release(compute_key_of(key))

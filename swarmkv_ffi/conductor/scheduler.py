@@ -265,8 +265,9 @@ class Scheduler:
         """An agent of `owner` left pool `key` (on this thread; `agents`: those left). If
         the pool holds more than one agent's n_ctx beyond what they booked, it is made
         smaller at `owner`'s cost (unless other users' agents sit in it and the ledger can
-        book its spare cells as the pool's until it closes: Conductor.book_excess): closed at once when no DECODE runs in it (its agents
-        paused; the next DECODE opens it to size), else rebuilt before its next step."""
+        book its spare cells as the pool's until it closes: Conductor.book_excess):
+        closed at once when no DECODE runs in it (its agents paused; the next DECODE
+        opens it to size), else rebuilt before its next step."""
         pool = self.pools.get(key)
         if pool is None or not pool.is_open or not pool.oversized(agents):
             return
@@ -418,7 +419,7 @@ class Scheduler:
         so requests and conversations of one model take turns without rebuilding each
         other. Between lmxd's conversations' pools the seed's time-slicing stays: the one
         that was live has its agents paused to host RAM and its context freed, unless one
-        of the two is an agent's own context (booked apart: agents.py). `pool`,
+        of the two is a user's own context (booked apart: agents.py). `pool`,
         unless open (or if stale: rebuilt), opens sized for its agents that have DECODEd
         and every agent of `payers` (uid -> weight), who are charged its time."""
         t0 = time.perf_counter()
