@@ -183,3 +183,34 @@ def test_a_leaver_pauses_nobody_the_pool_books_its_spare_cells_instead(conductor
     assert c.scheduler.live is pool and pool.ctx.n_ctx >= 4096
     c.unregister("v", owner=B)
     assert c.ledger.held(key) == 0 and not pool.is_open
+
+
+def test_a_run_waiting_for_its_reopen_does_not_hold_another_users_pool(conductor):
+    """A's DECODE waits in the shared pool for a reopen its user may not make now (its
+    reopens this minute are spent); B's agent decodes in B's own context (it outgrew the
+    shared pool A sat in). B's DECODE is served while A's still waits. (It once was not:
+    A's run, first in line, made every step choose the shared pool, and B waited as long
+    as A did: 58 s in `swarmkv bench multiuser --attacks grow`.)"""
+    c = conductor
+    c.register("a", "smollm2-135m", n_ctx=512, owner=A)
+    c.decode("a", 1, "hi", owner=A)
+    c.register("v", "smollm2-135m", n_ctx=512, owner=B)
+    c.decode("v", 16, "Count with me: 1, 2, 3,", owner=B)     # B has used more: A's run comes first
+    assert c.get("v", B).alone
+    c.scheduler.policy.reopen = lambda owner: owner != A
+    c.register("a2", "smollm2-135m", n_ctx=1024, owner=A)
+    stop, done = threading.Event(), {}
+    waiting = threading.Thread(target=lambda: done.setdefault("a2", c.decode("a2", 1, "hi", owner=A,
+                                                                            should_stop=stop.is_set)))
+    waiting.start()
+    queued(c, 1)
+    served = threading.Thread(target=lambda: done.setdefault("v", c.decode("v", 4, " and on", owner=B)))
+    served.start()
+    served.join(timeout=60)
+    try:
+        assert "v" in done and done["v"].generated_tokens >= 1, "B waited for A's reopen"
+        assert waiting.is_alive()                  # A's run still waits for its reopen
+    finally:
+        stop.set()
+        waiting.join(timeout=60)
+    assert done["a2"].cancelled
