@@ -16,6 +16,7 @@ import pytest
 
 from corpus import LICENCE
 from lmxd_daemon import SYSTEM_PYTHON, Daemon, as_user, eventually, shared_tmp
+from swarmkv_ffi.bench.multiuser import LADDER   # issue #50's n_ctx, each beyond the victim's pool
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow,
               pytest.mark.skipif(os.getuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
@@ -192,10 +193,6 @@ def test_a_pool_grows_for_its_users_and_shrinks_when_they_leave(daemon):
     assert cells <= 512 + 512 + 256, (shared, cells)
     (status,) = as_user(MALLORY, daemon, "STATUS")
     assert fields(ok(status))["uid_ledger_bytes"] == "0", status
-
-
-#: Issue #50's ladder: each of Mallory's agents larger than the pool the victim is in.
-LADDER = (6144, 12288, 18432, 24576, 30720, 36864)
 
 
 def test_another_users_growing_agents_never_pause_the_victim(daemon):

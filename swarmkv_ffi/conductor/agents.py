@@ -148,12 +148,16 @@ class DecodeResult:
     forked: bool = False       # it shares its document's cells in the pool
 
 
+def _mode(pool: PoolKey) -> str:
+    return "exact" if pool.exact else "fast"
+
+
 def compute_key_of(pool: PoolKey) -> str:
     """The ledger key of a pool's compute buffer: shared (no user is charged it), but a
     user's own context's, charged to that user."""
     if pool.alone:
-        return f"alone:{pool.alone}:{pool.model}:{'exact' if pool.exact else 'fast'}:compute"
-    return f"compute:{pool.model}:{'exact' if pool.exact else 'fast'}:{'requests' if pool.requests else 'agents'}"
+        return f"alone:{pool.alone}:{pool.model}:{_mode(pool)}:compute"
+    return f"compute:{pool.model}:{_mode(pool)}:{'requests' if pool.requests else 'agents'}"
 
 
 #: The CPU priority (nice) of the threads that make and free users' own contexts: low, so
@@ -164,7 +168,7 @@ NICE = 10
 
 def excess_key_of(pool: PoolKey) -> str:
     """The ledger key of a pool's cells beyond its agents' bookings (Conductor.book_excess)."""
-    return f"excess:{pool.model}:{'exact' if pool.exact else 'fast'}:{pool.alone or 'shared'}"
+    return f"excess:{pool.model}:{_mode(pool)}:{pool.alone or 'shared'}"
 
 
 def in_background(fn, name: str) -> None:
@@ -402,13 +406,14 @@ class Conductor:
                 del self.agents[(owner, agent_id)]
             self._unseat(agent)
             self._leave_pools(agent)
-            key, left = pool_key(agent), self.agents_of(pool_key(agent))
+            key = pool_key(agent)
+            left, pool = self.agents_of(key), self.scheduler.pools.get(key)
             if not agent.alone:
                 self.scheduler.shrink(key, left, agent.owner)
             elif not left:                # the owner's last agent in its own context: it goes
                 self.ledger.release(compute_key_of(key))
                 return self.scheduler.detach(key)
-            elif key in self.scheduler.pools and self.scheduler.pools[key].oversized(left):
+            elif pool is not None and pool.oversized(left):
                 self._build_own(key, left[0])      # smaller, made apart as it was
             return None
         own = self.scheduler.call(leave, agent)

@@ -531,10 +531,11 @@ class Scheduler:
                 self._switch(pool, pool.rebuild_by)
             return pool.fits(run.agent)
         undersized = pool.undersized(self.host.agents_of(pool.key, sizing_for={run.owner}))
-        idle = self._pausable(pool, run, seqs, cells)
+        idle = self._idle_seats(pool, run.owner)
         if undersized and not self._room(pool, [s for s in idle if s.agent.owner == run.owner], seqs, cells) \
                 and self.host.own_context(pool, run):
             return False       # it decodes in a context of its owner's own (agents.py), pausing nobody
+        idle = self._pausable(pool, run, idle, seqs, cells)
         if self._room(pool, idle, seqs, cells):
             t0 = time.perf_counter()
             for seat in idle:          # pausing them all would make room: pause only as many as needed
@@ -568,14 +569,18 @@ class Scheduler:
         return any(r.began and r.owner != run.owner and r.pool_key == pool.key
                    for r in self._batch + self._waiting)
 
-    def _pausable(self, pool: Pool, run: Run, seqs: int, cells: int) -> list:
-        """The idle seats `run` may pause for a seat, in order: its owner's own, then others'
-        least recently used. Those of users who hold as many cells as `run`'s owner would
-        may always be paused; pausing a user who holds fewer costs it a swap it did not
-        cause, so it counts as a reopen (policy.reopen)."""
+    def _idle_seats(self, pool: Pool, owner: int) -> list:
+        """The seats in `pool` with no run in the batch: `owner`'s first, then the least
+        recently used."""
         in_batch = {id(r.agent) for r in self._batch}
-        idle = sorted((s for s in pool.seats.values() if id(s.agent) not in in_batch),
-                      key=lambda s: (s.agent.owner != run.owner, s.agent.last_used))
+        return sorted((s for s in pool.seats.values() if id(s.agent) not in in_batch),
+                      key=lambda s: (s.agent.owner != owner, s.agent.last_used))
+
+    def _pausable(self, pool: Pool, run: Run, idle: list, seqs: int, cells: int) -> list:
+        """Of the `idle` seats (_idle_seats), those `run` may pause for a seat. Those of
+        users who hold as many cells as `run`'s owner would may always be paused; pausing
+        a user who holds fewer costs it a swap it did not cause, so it counts as a reopen
+        (policy.reopen)."""
         held: dict[int, int] = {}
         for seat in pool.seats.values():
             held[seat.agent.owner] = held.get(seat.agent.owner, 0) + seat.cells
