@@ -150,6 +150,24 @@ def test_a_row_is_bit_identical_alone_in_a_batch_and_on_any_thread_count():
         assert np.array_equal(exact, alone), "exact mode must run the same kernel for one row"
 
 
+@pytest.mark.parametrize("gqa,dk", [(1, 64), (2, 128), (3, 64), (4, 256), (3, 80)])
+def test_few_rows_read_f16_directly_and_give_the_gemm_paths_bits(gqa, dk):
+    """A unit of at most 4 rows over f16 K/V computes straight from the f16 rows (no f32
+    copies, patch 0003); more rows take the GEMMs. Same sums in the same order: a row
+    alone (gqa rows per unit) equals that row in a batch of 8 tokens (8*gqa rows), with
+    chunks that end mid-vector (1,029 cells) and a branch's own cells gathered."""
+    rng = np.random.default_rng(gqa * 1000 + dk)
+    n_doc, n_branch, steps = 1005, 8, 3
+    n_kv = n_doc + n_branch * steps
+    q, k, v = make(rng, n_head=2 * gqa, n_head_kv=2, n_tok=n_branch, n_kv=n_kv, dk=dk)
+    mask = fanout(n_doc, n_branch, steps, n_kv)
+    batch = check(q, k, v, mask, scale=dk ** -0.5)
+    for b in (0, 5):
+        alone = fattn.flash_attn(q[:, :, b:b + 1], k, v, mask[:, b:b + 1], kernel="shared", scale=dk ** -0.5,
+                                 n_threads=2)
+        assert np.array_equal(alone[0, 0], batch[0, b])
+
+
 def test_a_row_does_not_depend_on_where_its_cells_sit():
     """A branch's cells interleaved with other branches' (shared mode) or contiguous
     after the document (a plain run): the same visible cells in the same order give the
