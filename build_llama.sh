@@ -322,6 +322,10 @@ mkdir -p "$stage/bin"
 "$cc_bin" -O2 -o "$stage/bin/fa_calibrate" "$root/tools/fa_calibrate.c" -I"$stage/include" -L"$stage/lib" \
     -lggml-cpu -lggml-base -lggml -lm -Wl,-rpath,'$ORIGIN/../lib' 2>"$cache/fa_calibrate-$key.log" \
     || { cat "$cache/fa_calibrate-$key.log" >&2; die "could not compile tools/fa_calibrate.c against the new build"; }
+# Its end-to-end check (tools/fa_check.c): a whole model's decode with each kernel.
+"$cc_bin" -O2 -o "$stage/bin/fa_check" "$root/tools/fa_check.c" -I"$stage/include" -L"$stage/lib" \
+    -lllama -lggml-cpu -lggml-base -lggml -lm -Wl,-rpath,'$ORIGIN/../lib' 2>"$cache/fa_check-$key.log" \
+    || { cat "$cache/fa_check-$key.log" >&2; die "could not compile tools/fa_check.c against the new build"; }
 
 # ---- prove it ------------------------------------------------------------------------
 if [ $amx = 0 ] && command -v objdump >/dev/null; then
@@ -366,7 +370,15 @@ say "installed into $prefix ($target CPU build; needs: ${cpu_features:-nothing b
 # built-in rule; the build stands).
 if [ $calibrate = 1 ] && [ "$backend" = cpu ]; then
     say "calibrating the attention kernel choice on this CPU (skip with --no-calibrate)"
-    "$py" "$root/swarmkv_ffi/calibration.py" "$prefix" \
+    # The check decodes a random-weight twin of the packaged model (not installed yet),
+    # written once into the cache by the python the smoke check used.
+    twin="$cache/twin-smollm2-135m.gguf"
+    if [ ! -s "$twin" ]; then
+        if "${SWARMKV_SMOKE_PYTHON:-$cache/tools-venv/bin/python}" "$root/swarmkv_ffi/tiny_gguf.py" \
+            "$twin.tmp" --like smollm2-135m >/dev/null; then mv "$twin.tmp" "$twin"
+        else rm -f "$twin.tmp"; say "warning: could not write the model twin; the kernel table is not checked end to end"; fi
+    fi
+    "$py" "$root/swarmkv_ffi/calibration.py" "$prefix" $([ -s "$twin" ] && echo --check-model "$twin") \
         || say "warning: calibration failed; the fast mode keeps the built-in kernel rule (swarmkv calibrate retries)"
 fi
 [ $tools != 0 ] && build_tools

@@ -11,6 +11,13 @@ into the patch was measured on one CPU; which kernel wins moves with the instruc
               kernels at the deciding shapes (well under a minute on 2 cores) and prints
               the table; `record()` writes it, with the measurements and the CPU it was
               measured on, into the build's manifest.json ("fa_shared_rule").
+  check       the op alone is not what a user runs: on AVX-512 CPUs it said ours wins at
+              one query token where a whole model decoded faster with ggml's. So
+              tools/fa_check.c then decodes a real model (the packaged one, or at build
+              time its random-weight twin, tiny_gguf.py --like) at 1, 4 and 16 branches
+              with the table vs each kernel forced; `correct()` takes the faster kernel
+              end to end wherever the table's choice is more than 3 % behind it, and the
+              manifest keeps both tables and the figures.
   load        `apply()` (on the first load of the library) hands that table to ggml, if
               it was measured on this CPU; otherwise the built-in rule stays. An explicit
               GGML_FA_SHARED_RULE in the environment wins over both.
@@ -21,7 +28,7 @@ speed only, within what the fast mode already allows (its kernels round differen
 This file also runs as a script with nothing but the standard library, which is how
 build_llama.sh records a calibration before the package is installed:
 
-    python3 swarmkv_ffi/calibration.py PREFIX [--threads N] [--repeat R]
+    python3 swarmkv_ffi/calibration.py PREFIX [--threads N] [--repeat R] [--check-model GGUF]
 """
 from __future__ import annotations
 
@@ -85,6 +92,95 @@ def check_rule(rule) -> list[int]:
     return rule
 
 
+# ---- checking the table end to end --------------------------------------------------------
+
+CHECK_TOLERANCE = 0.03            # the table's choice may be this far behind the faster kernel
+CHECK_NPL = (1, 4, 16)
+CHECK_CELLS = 2048
+
+
+def checker(prefix: Path) -> Path:
+    return Path(prefix) / "bin" / "fa_check"
+
+
+def check(prefix: Path, model: Path, rule: list[int], threads: int | None = None, cells: int = CHECK_CELLS,
+          npl=CHECK_NPL, steps: int = 16, repeat: int = 3) -> dict:
+    """Decode `model` with PREFIX/bin/fa_check at npl branches over `cells` shared cells:
+    the fast mode with table `rule` vs ggml's and our kernel forced. Its JSON (rows of
+    rule_tps, ggml_tps, ours_tps per npl; the model's head size). Progress on stderr."""
+    exe = checker(prefix)
+    if not exe.exists():
+        raise CalibrationError(f"{exe} not found: this build predates the end-to-end check; rebuild with ./build_llama.sh")
+    if not Path(model).is_file():
+        raise CalibrationError(f"no model at {model} to check the kernel choice with")
+    cmd = [str(exe), str(model), "--cells", str(cells), "--npl", ",".join(map(str, npl)),
+           "--steps", str(steps), "--repeat", str(repeat)] + (["--threads", str(threads)] if threads else [])
+    env = {k: v for k, v in os.environ.items() if k != "GGML_FA_SHARED"}
+    env[ENV_RULE] = ",".join(map(str, check_rule(rule)))
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
+    if proc.returncode != 0:
+        raise CalibrationError(f"{exe.name} failed (exit {proc.returncode})")
+    try:
+        return json.loads(proc.stdout)
+    except json.JSONDecodeError as exc:
+        raise CalibrationError(f"{exe.name} printed no valid JSON: {exc}") from None
+
+
+def head_class(head_dim: int) -> int:
+    return 0 if head_dim <= 64 else 1 if head_dim <= 128 else 2 if head_dim <= 256 else 3
+
+
+def token_bucket(tokens: int) -> int:
+    """The patch's buckets of query tokens: 1, 2-3, 4-15, 16-63, 64-511, >= 512."""
+    return next(i for i, top in enumerate((2, 4, 16, 64, 512)) if tokens < top) if tokens < 512 else 5
+
+
+def correct(rule: list[int], checked: dict) -> tuple[list[int], list[dict]]:
+    """The table after an end-to-end check: where its choice for a row (npl query tokens,
+    the model's head size, float KV, every row seeing cell 0) decoded more than
+    CHECK_TOLERANCE slower than the faster kernel, that bucket takes the faster one (ours
+    from the checked cells up; ggml's: never ours). A gap while the table already takes
+    the faster kernel is noise and changes nothing. Returns the table and one verdict
+    per row (also written into `checked`'s rows)."""
+    fixed = list(check_rule(rule))
+    cells, head = checked["cells"], head_class(checked["head_dim"])
+    for row in checked["rows"]:
+        i = index(head, 0, 0, token_bucket(row["npl"]))
+        picks = "ours" if fixed[i] >= 0 and cells >= fixed[i] else "ggml"
+        faster = "ours" if row["ours_tps"] > row["ggml_tps"] else "ggml"
+        row.update(picks=picks, faster=faster, vs_faster=round(row["rule_tps"] / row[f"{faster}_tps"], 4),
+                   table_entry=i, was=fixed[i])
+        if row["vs_faster"] >= 1 - CHECK_TOLERANCE:
+            row["verdict"] = "ok"
+        elif picks == faster:
+            row["verdict"] = "noise: the table already takes the faster kernel"
+        else:
+            fixed[i] = cells if faster == "ours" else -1
+            row["verdict"] = f"corrected: {faster}'s kernel from now on"
+        row["now"] = fixed[i]
+    return fixed, checked["rows"]
+
+
+def check_and_correct(prefix: Path, result: dict, model: Path, **kw) -> dict:
+    """Check fa_calibrate's table (`result`) end to end with `model` and fold the
+    correction into `result`: its rule becomes the checked one, "op_rule" the table the
+    op timings gave, "check" the figures."""
+    checked = check(prefix, model, result["rule"], threads=result.get("threads"), **kw)
+    rule, _ = correct(result["rule"], checked)
+    checked["model"] = str(model)
+    return {**result, "op_rule": result["rule"], "rule": rule, "check": checked}
+
+
+def check_lines(checked: dict) -> list[str]:
+    """The check's figures as text, one line per number of branches."""
+    lines = [f"checked end to end on {Path(checked['model']).name}, {checked['cells']} cells, "
+             f"{checked['threads']} threads, decode t/s (medians of {checked['repeat']}):"]
+    for r in checked["rows"]:
+        lines.append(f"  {r['npl']:>2} branches: table {r['rule_tps']:7.1f} ({r['picks']})  ggml {r['ggml_tps']:7.1f}"
+                     f"  ours {r['ours_tps']:7.1f}  table/faster {r['vs_faster']:.3f}  {r['verdict']}")
+    return lines
+
+
 def record(prefix: Path, result: dict) -> dict:
     """Write a calibration into PREFIX/manifest.json (atomically), with the CPU and the
     time it was measured; returns the entry."""
@@ -102,6 +198,8 @@ def record(prefix: Path, result: dict) -> dict:
         "calibrated_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "measured": result.get("measured", []),
     }
+    if "check" in result:
+        entry.update(op_rule=check_rule(result["op_rule"]), check=result["check"])
     manifest[KEY] = entry
     _write(path, manifest)
     return entry
@@ -181,7 +279,7 @@ def apply(manifest: dict, library: Path) -> dict:
             _state.update(note=f"the manifest's calibration was measured on another CPU "
                                f"({was.get('model_name')} {was.get('id')}); run swarmkv calibrate here")
         else:
-            _state.update(note=_set_from(fns, entry))
+            _state.update(note=_set_from(fns, entry), check=entry.get("check"))
         _state.update(in_force())
         if os.environ.get(ENV_RULE) and _state["source"] != "environment":
             _state["note"] = f"{ENV_RULE} is malformed (not {RULE_LEN} integers >= -1) and was ignored"
@@ -242,15 +340,22 @@ def main(argv: list[str]) -> int:
     ap.add_argument("prefix", type=Path)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--check-model", type=Path, default=None,
+                    help="check the table end to end with this model (a twin of the packaged one at build time)")
     args = ap.parse_args(argv)
     try:
-        entry = record(args.prefix, measure(args.prefix, args.threads, args.repeat))
+        result = measure(args.prefix, args.threads, args.repeat)
+        if args.check_model:
+            result = check_and_correct(args.prefix, result, args.check_model)
+        entry = record(args.prefix, result)
     except CalibrationError as exc:
         print(f"calibration: error: {exc}", file=sys.stderr)
         return 1
     print(f"calibration: recorded in {args.prefix / 'manifest.json'} ({entry['seconds']} s, "
           f"{entry['threads']} threads); the shared-prefix kernel is used from these cells:", file=sys.stderr)
     print(table(entry["rule"]), file=sys.stderr)
+    for line in check_lines(entry["check"]) if "check" in entry else []:
+        print(f"calibration: {line}", file=sys.stderr)
     return 0
 
 

@@ -95,12 +95,15 @@ def _print_rule(rule: dict) -> None:
         print("           the shared-prefix kernel is used from these KV cells, else ggml's:")
         for line in calibration.table(rule["rule"]).splitlines():
             print(f"           {line}")
+    for line in calibration.check_lines(rule["check"]) if rule.get("check") else []:
+        print(f"           {line}")
 
 
 # ---- calibrate -------------------------------------------------------------------------------
 def cmd_calibrate(args) -> int:
-    if args.repeat < 1 or (args.threads is not None and args.threads < 1) or (args.max_cells or 512) < 512:
-        raise ValueError("--repeat and --threads must be >= 1, --max-cells >= 512")
+    if args.repeat < 1 or (args.threads is not None and args.threads < 1) or (args.max_cells or 512) < 512 \
+            or args.check_cells < 64:
+        raise ValueError("--repeat and --threads must be >= 1, --max-cells >= 512, --check-cells >= 64")
     root = library.install_root(library.find_library())
     try:
         if args.reset:
@@ -109,6 +112,9 @@ def cmd_calibrate(args) -> int:
                                                     if gone else "had no calibration"))
             return 0
         result = calibration.measure(root, args.threads, args.repeat, args.max_cells)
+        if not args.no_check:
+            result = calibration.check_and_correct(root, result, catalog.resolve(args.check_model),
+                                                   cells=args.check_cells)
         entry = result if args.dry_run else calibration.record(root, result)
     except calibration.CalibrationError as exc:
         raise errors.SwarmKVError(str(exc)) from None
@@ -119,6 +125,8 @@ def cmd_calibrate(args) -> int:
     print(f"calibrated in {entry['seconds']:.1f} s with {entry['threads']} threads; {where}")
     print("the shared-prefix kernel is used from these KV cells, ggml's kernels below them:")
     print(calibration.table(entry["rule"]))
+    for line in calibration.check_lines(entry["check"]) if "check" in entry else []:
+        print(line)
     return 0
 
 
@@ -470,15 +478,23 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrate", help="time ggml's attention kernels against ours on this CPU; the fast mode follows",
         description="Time ggml's stock flash-attention kernels against the shared-prefix kernel at "
                     "the shapes that decide the fast mode's choice (head sizes 64/128/256, f16 and "
-                    "q8_0 KV, 1-512 query tokens, 128-8k cells) and record the winner's table in the "
-                    "build's manifest.json; every later load on this CPU follows it. build_llama.sh "
-                    "runs it after a build. Exact mode is unaffected. docs/shared-prefix-attention.md")
+                    "q8_0 KV, 1-512 query tokens, 128-8k cells), then check the table end to end: "
+                    "decode a model at 1, 4 and 16 branches with it and with each kernel forced, and "
+                    "take the faster kernel wherever the table's choice is more than 3%% behind. The "
+                    "table and the figures go into the build's manifest.json; every later load on this "
+                    "CPU follows it (swarmkv info shows it). build_llama.sh runs it after a build. "
+                    "Exact mode is unaffected. docs/shared-prefix-attention.md")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="threads to time with (default: all of this machine's, as decoding uses)")
     p.add_argument("--repeat", type=int, default=3, metavar="R",
                    help="timed runs of each kernel per shape; the fastest counts (default 3)")
     p.add_argument("--max-cells", type=int, default=None, metavar="C",
                    help="measure up to C cells only (default 8192): quicker, for short contexts")
+    p.add_argument("--check-model", default=None, metavar="MODEL",
+                   help=f"catalog name or GGUF path to check the table with (default {catalog.DEFAULT_MODEL})")
+    p.add_argument("--check-cells", type=int, default=calibration.CHECK_CELLS, metavar="C",
+                   help=f"shared KV cells the check decodes over (default {calibration.CHECK_CELLS})")
+    p.add_argument("--no-check", action="store_true", help="the op timings' table, not checked end to end")
     p.add_argument("--dry-run", action="store_true", help="measure and print; do not record")
     p.add_argument("--reset", action="store_true", help="remove the recorded calibration (built-in rule)")
     p.add_argument("--json", action="store_true", help="print the calibration as JSON")

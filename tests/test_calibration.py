@@ -201,21 +201,31 @@ def test_calibrate_records_a_rule_this_cpu_follows_and_another_cpu_ignores(tmp_p
     uncalibrated = _in_child(STATUS, env)
     assert uncalibrated["source"] == "built-in" and "no calibration" in uncalibrated["note"]
 
-    proc = subprocess.run(cli + ["calibrate", "--repeat", "1", "--max-cells", "2048"], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cli + ["calibrate", "--repeat", "1", "--max-cells", "2048", "--check-cells", "1024"],
+                          capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     entry = json.loads((copy / "manifest.json").read_text())[calibration.KEY]
     assert "recorded in" in proc.stdout and calibration.table(entry["rule"]) in proc.stdout
     # heads x kv x ((tokens, tokens <= cells <= 2048) with the prefix mask + (tokens, 2048) with the window)
     assert len(entry["measured"]) == 3 * 2 * ((5 * 3 + 2) + 6)
     expected, ties = expected_rule(entry["measured"], uncalibrated["rule"])
-    assert [r for i, r in enumerate(entry["rule"]) if i not in ties] == [r for i, r in enumerate(expected) if i not in ties]
+    assert [r for i, r in enumerate(entry["op_rule"]) if i not in ties] == [r for i, r in enumerate(expected) if i not in ties]
     assert len(ties) < len(expected) // 4
+    # the end-to-end check: the packaged model at 1, 4 and 16 branches; the recorded
+    # table is the op timings' one but where a row corrected it
+    check = entry["check"]
+    assert [r["npl"] for r in check["rows"]] == [1, 4, 16] and check["cells"] == 1024 and check["head_dim"] == 64
+    assert all(r["rule_tps"] > 0 and r["ggml_tps"] > 0 and r["ours_tps"] > 0 for r in check["rows"])
+    corrected = {r["table_entry"]: r["now"] for r in check["rows"] if r["verdict"].startswith("corrected")}
+    assert entry["rule"] == [corrected.get(i, x) for i, x in enumerate(entry["op_rule"])]
+    assert "checked end to end on SmolLM2" in proc.stdout
     assert cpu.same_identity(entry["cpu"], cpu.identity()) and entry["threads"] == os.cpu_count()
 
     follows = _in_child(STATUS, env)
     assert follows["source"] == "calibrated" and follows["rule"] == entry["rule"]
     info = subprocess.run(cli + ["info"], capture_output=True, text=True, timeout=120, env=env)
     assert "fast mode's attention rule: calibrated" in info.stdout, info.stdout
+    assert "checked end to end" in info.stdout and "16 branches" in info.stdout, info.stdout
     overridden = _in_child(STATUS, {**env, calibration.ENV_RULE: ",".join(["0"] * calibration.RULE_LEN)})
     assert overridden["source"] == "environment" and overridden["rule"] == [0] * calibration.RULE_LEN
 
@@ -249,3 +259,55 @@ def test_calibrate_says_what_is_missing_on_a_build_without_the_calibrator(tmp_pa
     assert proc.returncode == 2
     assert "bin/fa_calibrate not found" in proc.stderr and "./build_llama.sh" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def checked(rows, cells=2048, head_dim=64):
+    """An end-to-end check's result as fa_check prints it (decode t/s per npl)."""
+    return {"cells": cells, "head_dim": head_dim, "rows": [
+        {"npl": n, "rule_tps": r, "ggml_tps": g, "ours_tps": o} for n, r, g, o in rows]}
+
+
+def test_the_check_takes_the_faster_kernel_where_the_table_is_more_than_3_percent_behind():
+    rule = [0] * calibration.RULE_LEN
+    rule[index(64, "f16", 1)] = 128                      # ours at one token
+    rule[index(64, "f16", 16)] = NEVER                   # ggml's at 16
+    fixed, rows = calibration.correct(rule, checked([(1, 50.0, 70.0, 50.0),     # ggml's faster: correct
+                                                     (4, 99.0, 80.0, 100.0),    # 1 % behind: ok
+                                                     (16, 100.0, 100.0, 190.0)]))  # ours faster: correct
+    assert [r["verdict"].split(":")[0] for r in rows] == ["corrected", "ok", "corrected"]
+    assert fixed[index(64, "f16", 1)] == NEVER and fixed[index(64, "f16", 16)] == 2048
+    assert [i for i, (a, b) in enumerate(zip(rule, fixed)) if a != b] == [index(64, "f16", 1), index(64, "f16", 16)]
+    assert rows[0]["picks"] == "ours" and rows[0]["faster"] == "ggml" and rows[0]["vs_faster"] == pytest.approx(50 / 70, abs=1e-3)
+
+
+def test_a_gap_while_the_table_takes_the_faster_kernel_is_noise():
+    rule = [0] * calibration.RULE_LEN                     # ours everywhere
+    fixed, rows = calibration.correct(rule, checked([(16, 150.0, 100.0, 190.0)]))
+    assert fixed == rule and rows[0]["verdict"].startswith("noise")
+
+
+def test_the_check_corrects_the_head_class_of_the_model_it_decoded():
+    rule = [NEVER] * calibration.RULE_LEN
+    fixed, _ = calibration.correct(rule, checked([(4, 60.0, 60.0, 120.0)], cells=1024, head_dim=256))
+    assert fixed[index(256, "f16", 4)] == 1024 and fixed.count(NEVER) == calibration.RULE_LEN - 1
+
+
+@pytest.mark.slow
+def test_a_table_forced_to_the_losing_kernel_is_detected_and_corrected_end_to_end():
+    """A real decode of the packaged model at 16 branches over 1,024 shared cells, with a
+    table that never takes our kernel at 16 query tokens: ours is the faster one there on
+    every CPU measured (1.9x on an AVX-512 Zen 5, 2-4x on AVX2), so the check must see the
+    table behind and correct that bucket, leaving the rest."""
+    root = library.install_root(library.find_library())
+    if not calibration.checker(root).exists():
+        pytest.skip("this libllama was built before the end-to-end check (no bin/fa_check): ./build_llama.sh")
+    wrong = [0] * calibration.RULE_LEN
+    wrong[index(64, "f16", 16)] = NEVER
+    from swarmkv_ffi.catalog import resolve
+    result = calibration.check(root, resolve("smollm2-135m"), wrong, cells=1024, npl=(16,), steps=8, repeat=3)
+    fixed, rows = calibration.correct(wrong, result)
+    assert rows[0]["picks"] == "ggml" and rows[0]["faster"] == "ours", rows
+    assert rows[0]["verdict"].startswith("corrected"), rows
+    assert fixed[index(64, "f16", 16)] == 1024
+    assert [i for i, (a, b) in enumerate(zip(wrong, fixed)) if a != b] == [index(64, "f16", 16)]
+    assert rows[0]["rule_tps"] < 0.97 * rows[0]["ours_tps"]      # the table really ran ggml's kernel
