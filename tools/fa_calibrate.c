@@ -16,6 +16,14 @@
 // longer see cell 0. Each shape runs both kernels alternately, R times after one warm-up
 // each, and keeps the fastest of each.
 //
+// K and V are laid out as llama.cpp's KV cache holds them (one row per cell with every KV
+// head side by side; the op sees a strided view per head), and a decode shape (fewer
+// than 64 query tokens) runs as one graph over LAYERS such caches, each op on its own,
+// the way a model's decode step reads 30 layers of KV that no cache holds: a single op
+// on one cache-hot KV flattered the kernel that re-reads it (AVX-512 machines took ours
+// at one token where a whole model decoded faster with ggml's). What the op still cannot
+// see, tools/fa_check.c measures on a real model afterwards.
+//
 // The rule for a (head, type, mask, tokens) bucket is the fewest measured cells from
 // which the shared-prefix kernel was faster at that size and every larger one; -1 when
 // it lost at the largest. Head sizes above 256 (not measured) keep the built-in entries.
@@ -38,6 +46,8 @@
 #define N_MASKS   2    // rows that see cell 0 ("prefix"), rows that do not ("window")
 #define N_BUCKETS 6    // the patch's buckets of query tokens: 1, 2-3, 4-15, 16-63, 64-511, >= 512
 #define WINDOW    512
+#define LAYERS    8    // KV caches a decode shape cycles through (up to COLD_BYTES of them)
+#define COLD_BYTES ((size_t) 32 << 20)
 
 static const int HEAD_DIM[N_HEADS]   = {64, 128, 256};
 static const int HEAD_Q[N_HEADS]     = {9, 8, 4};
@@ -92,23 +102,39 @@ static void fill_mask(struct ggml_tensor * mask, int tokens, int cells, int wind
     }
 }
 
-// Both kernels on one shape, alternately; the fastest run of each, in microseconds.
+// How many layers of KV a shape runs over: one for a prefill (it reuses the KV it reads
+// across many query rows), for a decode as many as fit in COLD_BYTES, at most LAYERS.
+static int layers_of(int tokens, size_t kv_bytes) {
+    if (tokens >= 64) return 1;
+    const size_t n = COLD_BYTES / (2 * kv_bytes);
+    return n < 1 ? 1 : n > LAYERS ? LAYERS : (int) n;
+}
+
+// Both kernels on one shape, alternately; the fastest run of each, in microseconds per op.
 static struct timing time_shape(int h, int t, int m, int tokens, int cells, int threads, int repeat) {
     const int dk = HEAD_DIM[h], nq = HEAD_Q[h], nkv = HEAD_KV[h];
-    const size_t kv_bytes = ggml_row_size(TYPE[t], dk) * cells * nkv;
-    const size_t mem = sizeof(float) * (size_t) dk * tokens * nq * 2 + 2 * kv_bytes
-                     + sizeof(ggml_fp16_t) * (size_t) tokens * cells + 8 * ggml_tensor_overhead()
+    const size_t kv_bytes = ggml_row_size(TYPE[t], (int64_t) dk * nkv) * cells;
+    const int layers = layers_of(tokens, kv_bytes);
+    const size_t mem = sizeof(float) * (size_t) dk * tokens * nq * 2 * layers + 2 * kv_bytes * layers
+                     + sizeof(ggml_fp16_t) * (size_t) tokens * cells + (8 + 8 * layers) * ggml_tensor_overhead()
                      + ggml_graph_overhead() + (1 << 16);
     struct ggml_init_params ip = {mem, NULL, false};
     struct ggml_context * ctx = ggml_init(ip);
     struct ggml_tensor * q = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, dk, tokens, nq, 1);
-    struct ggml_tensor * k = ggml_new_tensor_4d(ctx, TYPE[t], dk, cells, nkv, 1);
-    struct ggml_tensor * v = ggml_new_tensor_4d(ctx, TYPE[t], dk, cells, nkv, 1);
     struct ggml_tensor * mask = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, cells, tokens, 1, 1);
-    fill_random(q); fill_random(k); fill_random(v); fill_mask(mask, tokens, cells, m);
-    struct ggml_tensor * out = ggml_flash_attn_ext(ctx, q, k, v, mask, 1.0f / sqrtf((float) dk), 0.0f, 0.0f);
+    fill_random(q); fill_mask(mask, tokens, cells, m);
     struct ggml_cgraph * graph = ggml_new_graph(ctx);
-    ggml_build_forward_expand(graph, out);
+    for (int l = 0; l < layers; l++) {
+        // the cache: a row per cell, the KV heads side by side; the op's view: [dk, cells, nkv]
+        struct ggml_tensor * kc = ggml_new_tensor_2d(ctx, TYPE[t], (int64_t) dk * nkv, cells);
+        struct ggml_tensor * vc = ggml_new_tensor_2d(ctx, TYPE[t], (int64_t) dk * nkv, cells);
+        fill_random(kc); fill_random(vc);
+        const size_t head = ggml_row_size(TYPE[t], dk);
+        struct ggml_tensor * k = ggml_view_3d(ctx, kc, dk, cells, nkv, kc->nb[1], head, 0);
+        struct ggml_tensor * v = ggml_view_3d(ctx, vc, dk, cells, nkv, vc->nb[1], head, 0);
+        struct ggml_tensor * out = ggml_flash_attn_ext(ctx, q, k, v, mask, 1.0f / sqrtf((float) dk), 0.0f, 0.0f);
+        ggml_build_forward_expand(graph, out);
+    }
 
     struct ggml_cplan plan = ggml_graph_plan(graph, threads, NULL);   // work size: either kernel
     plan.work_data = malloc(plan.work_size > 0 ? plan.work_size : 1);
@@ -121,7 +147,7 @@ static struct timing time_shape(int h, int t, int m, int tokens, int cells, int 
                 fprintf(stderr, "fa_calibrate: ggml_graph_compute failed\n");
                 exit(1);
             }
-            const double us = now_us() - t0;
+            const double us = (now_us() - t0) / layers;
             double * slot = kernel == 0 ? &best.stock_us : &best.shared_us;
             if (r >= 0 && us < *slot) *slot = us;
         }
