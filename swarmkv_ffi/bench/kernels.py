@@ -6,21 +6,24 @@ applied. This runs them on the same model, the same threads, in one process run,
 alternating the variants on each repeat (in an order rotated from one repeat to the
 next), and reports the medians:
 
-  stock       the pristine build: ggml's kernels
+  stock       the pristine build: ggml's kernels, the yardstick users already have
+  ggml        the patched build with GGML_FA_SHARED=off: ggml's kernels
   ours        the patched build with GGML_FA_SHARED=on: the shared-prefix kernel wherever
               it applies
-  builtin     the patched build's default mode with the rule built into the patch
-  calibrated  the patched build's default mode with this CPU's calibration (the table in
-              the build's manifest, handed over as GGML_FA_SHARED_RULE; `swarmkv calibrate`)
+  default     the patched build's default mode with the table the library uses: this
+              CPU's calibration (`swarmkv calibrate`, handed over as GGML_FA_SHARED_RULE),
+              else the table built into the patch
+  builtin     (not run unless named) the default mode with the built-in table
 
   llama-batched-bench -npp P -ntg G -npl N -pps -kvu -fa on -b 2048 -ub 512
 
 -pps prefills the prompt once and shares it among the N sequences in one unified KV
 cache: the fan-out's workload (S_TG is decode tokens/s over all N sequences, S_PP the
-prefill). "vs best" is the calibrated default over the faster of stock and ours. --op
-also times the flash-attention op alone (swarmkv_ffi.fattn) for the same shapes.
+prefill). "vs best" is the default over the faster of ggml and ours (the choice the
+table had to make), "vs stock" the default over stock llama.cpp. --op also times the
+flash-attention op alone (swarmkv_ffi.fattn) for the same shapes.
 
-    swarmkv bench kernels --npp 1600,3500 --npl 1,4,16 --out bench/results/latest/kernels.json
+    swarmkv bench kernels --npp 3500 --npl 1,4,16 --repeats 5 --out bench/results/latest/kernels.json
 """
 from __future__ import annotations
 
@@ -35,10 +38,11 @@ from ..catalog import DEFAULT_MODEL, resolve
 from .measure import report_json, settings_of
 from .tools import run_json_lines
 
-VARIANTS = ("stock", "ours", "builtin", "calibrated")
-#: variant -> (tools build, environment for the kernel choice)
-_RUNS = {"stock": ("stock", {}), "ours": ("patched", {"GGML_FA_SHARED": "on"}),
-         "builtin": ("patched", {}), "calibrated": ("patched", None)}
+VARIANTS = ("stock", "ggml", "ours", "default", "builtin")
+DEFAULT_VARIANTS = VARIANTS[:4]
+#: variant -> (tools build, environment for the kernel choice; None: the library's table)
+_RUNS = {"stock": ("stock", {}), "ggml": ("patched", {"GGML_FA_SHARED": "off"}),
+         "ours": ("patched", {"GGML_FA_SHARED": "on"}), "default": ("patched", None), "builtin": ("patched", {})}
 
 
 def ints(text: str) -> list[int]:
@@ -59,15 +63,13 @@ def names(text: str) -> list[str]:
     return [v for v in VARIANTS if v in chosen]
 
 
-def calibrated_rule() -> dict:
-    """The manifest's calibration, if it was measured on this CPU (else SystemExit)."""
+def calibrated_rule() -> dict | None:
+    """The manifest's calibration if the library would use it here (measured on this
+    CPU); None where the built-in table applies."""
     entry = library.manifest().get(calibration.KEY)
-    if not entry:
-        raise SystemExit("the build has no calibration: run `swarmkv calibrate`, or leave out the "
-                         "calibrated variant (--variants stock,ours,builtin)")
-    if not cpu.same_identity(entry.get("cpu", {}), cpu.identity()):
-        raise SystemExit("the build's calibration was measured on another CPU: run `swarmkv calibrate` here")
-    return entry
+    if entry and cpu.same_identity(entry.get("cpu", {}), cpu.identity()):
+        return entry
+    return None
 
 
 def variant_env(variant: str, rule: list[int] | None) -> dict:
@@ -75,7 +77,7 @@ def variant_env(variant: str, rule: list[int] | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("GGML_FA_SHARED", calibration.ENV_RULE)}
     extra = _RUNS[variant][1]
     if extra is None:
-        extra = {calibration.ENV_RULE: ",".join(map(str, rule))}
+        extra = {calibration.ENV_RULE: ",".join(map(str, rule))} if rule else {}
     return {**env, **extra}
 
 
@@ -98,8 +100,8 @@ def batched_bench(variant: str, model: Path, args, rule: list[int] | None) -> li
 
 
 def table(runs: dict[str, list[list[dict]]], args) -> list[dict]:
-    """One row per (npp, npl): medians of S_TG and S_PP per variant; the calibrated
-    default (or the built-in one) over the faster of stock and ours."""
+    """One row per (npp, npl): medians of S_TG and S_PP per variant; the default (or
+    the built-in table) over the faster of ggml and ours, and over stock."""
     rows = []
     for npp in args.npp:
         for npl in args.npl:
@@ -110,11 +112,13 @@ def table(runs: dict[str, list[list[dict]]], args) -> list[dict]:
                 row[f"{variant}_pp_tps"] = statistics.median(r["speed_pp"] for r in hits)
                 row[f"{variant}_tg_runs"] = [r["speed_tg"] for r in hits]
                 row[f"{variant}_pp_runs"] = [r["speed_pp"] for r in hits]
-            chosen = next((v for v in ("calibrated", "builtin") if v in args.variants), None)
-            if chosen and {"stock", "ours"} <= set(args.variants):
+            for chosen in {"default", "builtin"} & set(args.variants):
                 for phase in ("tg", "pp"):
-                    best = max(row[f"stock_{phase}_tps"], row[f"ours_{phase}_tps"])
-                    row[f"{chosen}_{phase}_vs_best"] = row[f"{chosen}_{phase}_tps"] / best
+                    if {"ggml", "ours"} <= set(args.variants):
+                        best = max(row[f"ggml_{phase}_tps"], row[f"ours_{phase}_tps"])
+                        row[f"{chosen}_{phase}_vs_best"] = row[f"{chosen}_{phase}_tps"] / best
+                    if "stock" in args.variants:
+                        row[f"{chosen}_{phase}_vs_stock"] = row[f"{chosen}_{phase}_tps"] / row[f"stock_{phase}_tps"]
             rows.append(row)
     return rows
 
@@ -150,14 +154,15 @@ def op_timings(args, model: Path) -> list[dict]:
 
 
 def print_table(rows: list[dict], variants: list[str]) -> None:
+    chosen = next((v for v in ("default", "builtin") if v in variants), None)
+    ratios = [k for k in ("vs_best", "vs_stock") if chosen and any(f"{chosen}_tg_{k}" in r for r in rows)]
     for phase, title in (("tg", "S_TG (decode t/s)"), ("pp", "S_PP (prefill t/s)")):
         print(f"{title}:", file=sys.stderr)
-        print(f"{'npp':>6} {'N':>3} | " + " ".join(f"{v:>10}" for v in variants) + f" | {'vs best':>7}",
-              file=sys.stderr)
+        print(f"{'npp':>6} {'N':>3} | " + " ".join(f"{v:>10}" for v in variants)
+              + "".join(f" | {chosen + ' ' + k.replace('_', ' '):>16}" for k in ratios), file=sys.stderr)
         for r in rows:
-            ratio = next((r[k] for k in (f"calibrated_{phase}_vs_best", f"builtin_{phase}_vs_best") if k in r), None)
             print(f"{r['npp']:>6} {r['npl']:>3} | " + " ".join(f"{r[f'{v}_{phase}_tps']:>10.1f}" for v in variants)
-                  + (f" | {ratio:>6.3f}x" if ratio is not None else ""), file=sys.stderr)
+                  + "".join(f" | {r[f'{chosen}_{phase}_{k}']:>15.3f}x" for k in ratios), file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -170,8 +175,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"], help="KV cache type (default f16)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each variant; medians reported (default 3)")
-    ap.add_argument("--variants", type=names, default=list(VARIANTS),
-                    help=f"which of {','.join(VARIANTS)} to run (default: all)")
+    ap.add_argument("--variants", type=names, default=list(DEFAULT_VARIANTS),
+                    help=f"which of {','.join(VARIANTS)} to run (default: {','.join(DEFAULT_VARIANTS)})")
     ap.add_argument("--op", action="store_true", help="also time the flash-attention op alone")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     args = ap.parse_args(argv)
@@ -180,7 +185,7 @@ def main(argv=None) -> int:
     model = resolve(args.model)
     for variant in args.variants:   # every tool present before the first long run
         tool(variant)
-    entry = calibrated_rule() if "calibrated" in args.variants else None
+    entry = calibrated_rule()
     rule = entry["rule"] if entry else None
     runs: dict[str, list[list[dict]]] = {v: [] for v in args.variants}
     for r in range(args.repeats):
@@ -194,8 +199,9 @@ def main(argv=None) -> int:
         "kv_type": args.kv_type, "flash_attn": "on", "n_batch": 2048, "n_ubatch": 512, "threads": args.threads,
         "pps": True, "kv_unified": True}}
     report = {
-        "benchmark": "kernels", "model": model.name,
-        "calibration": None if entry is None else {k: entry[k] for k in ("rule", "cpu", "threads", "calibrated_at")},
+        "benchmark": "kernels", "model": model.name, "default_table": "calibrated" if entry else "built-in",
+        "calibration": None if entry is None else {k: entry.get(k) for k in ("rule", "cpu", "threads", "calibrated_at",
+                                                                              "op_rule", "check")},
         "rows": rows,
         "raw": runs,
     }
