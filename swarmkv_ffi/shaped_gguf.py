@@ -40,49 +40,12 @@ SHAPES = {"llama-3.2-1b": Shape(n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192, 
 def write_f16(path: Path, shape: Shape, seed: int = 0) -> Path:
     """The model in F16 (norms in F32), with a byte-level SentencePiece-style vocabulary
     padded to shape.n_vocab."""
-    import gguf
+    from dataclasses import asdict
 
-    from .tiny_gguf import add_vocabulary, vocabulary
-    rng = np.random.default_rng(seed)
-    head = shape.n_embd // shape.n_head
-
-    w = gguf.GGUFWriter(str(path), arch="llama")
-    w.add_name("swarmkv random-weight model with a real model's shapes (answers are meaningless)")
-    w.add_context_length(shape.n_ctx)
-    w.add_embedding_length(shape.n_embd)
-    w.add_block_count(shape.n_layer)
-    w.add_feed_forward_length(shape.n_ff)
-    w.add_head_count(shape.n_head)
-    w.add_head_count_kv(shape.n_head_kv)
-    w.add_rope_dimension_count(head)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16))
-    add_vocabulary(w, shape.n_vocab - len(vocabulary(0)[0]))
-
-    def matrix(name: str, rows: int, cols: int) -> None:
-        w.add_tensor(name, (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16))
-
-    def norm(name: str) -> None:
-        w.add_tensor(name, np.ones(shape.n_embd, dtype=np.float32))
-
-    kv = shape.n_head_kv * head
-    matrix("token_embd.weight", shape.n_vocab, shape.n_embd)
-    for i in range(shape.n_layer):
-        norm(f"blk.{i}.attn_norm.weight")
-        matrix(f"blk.{i}.attn_q.weight", shape.n_embd, shape.n_embd)
-        matrix(f"blk.{i}.attn_k.weight", kv, shape.n_embd)
-        matrix(f"blk.{i}.attn_v.weight", kv, shape.n_embd)
-        matrix(f"blk.{i}.attn_output.weight", shape.n_embd, shape.n_embd)
-        norm(f"blk.{i}.ffn_norm.weight")
-        matrix(f"blk.{i}.ffn_gate.weight", shape.n_ff, shape.n_embd)
-        matrix(f"blk.{i}.ffn_up.weight", shape.n_ff, shape.n_embd)
-        matrix(f"blk.{i}.ffn_down.weight", shape.n_embd, shape.n_ff)
-    norm("output_norm.weight")
-    matrix("output.weight", shape.n_vocab, shape.n_embd)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    from .tiny_gguf import write_llama
+    write_llama(str(path), "swarmkv random-weight model with a real model's shapes (answers are meaningless)",
+                asdict(shape), lambda tensor, data: ((data * 0.4).astype(np.float16), None), seed,
+                file_type="MOSTLY_F16")
     return path
 
 

@@ -55,99 +55,89 @@ def add_vocabulary(w, n_words: int = N_WORDS) -> int:
     return len(tokens)
 
 
-def write(path: str, seed: int = 0, claimed_layers: int | None = None) -> str:
-    """Write the model to `path` and return the path. claimed_layers: a block_count for
-    the header that the tensors do not have (a hostile file: libllama asserts on 1000)."""
+def write_llama(path: str, name: str, shape: dict, weight, seed: int = 0, tied: bool = False,
+                claimed_layers: int | None = None, file_type: str = "MOSTLY_Q4_1") -> str:
+    """Write a random-weight llama-architecture model of `shape` (n_embd, n_head,
+    n_head_kv, n_ff, n_layer, n_vocab, n_ctx, optional rope_base) to `path`; returns the
+    path. weight(tensor name, float32 data) -> (data to store, its ggml type or None)
+    decides each matrix's type; file_type names the header's (gguf.LlamaFileType). tied: no
+    output matrix (the embedding serves). claimed_layers: a block_count for the header
+    that the tensors do not have (a hostile file)."""
     import gguf
-    q = gguf.GGMLQuantizationType
     rng = np.random.default_rng(seed)
+    n_embd, n_ff, n_head = shape["n_embd"], shape["n_ff"], shape["n_head"]
+    n_embd_kv = n_embd // n_head * shape["n_head_kv"]
 
     w = gguf.GGUFWriter(path, arch="llama")
-    w.add_name("swarmkv tiny test model")
-    w.add_context_length(N_CTX)
-    w.add_embedding_length(N_EMBD)
-    w.add_block_count(claimed_layers or N_LAYER)
-    w.add_feed_forward_length(N_FF)
-    w.add_head_count(N_HEAD)
-    w.add_head_count_kv(N_HEAD)
-    w.add_rope_dimension_count(N_EMBD // N_HEAD)
+    w.add_name(name)
+    w.add_context_length(shape["n_ctx"])
+    w.add_embedding_length(n_embd)
+    w.add_block_count(claimed_layers or shape["n_layer"])
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(shape["n_head_kv"])
+    w.add_rope_dimension_count(n_embd // n_head)
+    if "rope_base" in shape:
+        w.add_rope_freq_base(shape["rope_base"])
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_1))
-    n_vocab = add_vocabulary(w)
+    w.add_file_type(int(gguf.LlamaFileType[file_type]))
+    n_vocab = add_vocabulary(w, shape["n_vocab"] - len(SPECIAL) - 256)
 
-    def matrix(name: str, rows: int, cols: int, qtype) -> None:
-        data = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
-        w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    def matrix(tensor: str, rows: int, cols: int) -> None:
+        data, qtype = weight(tensor, rng.standard_normal((rows, cols), dtype=np.float32) * 0.05)
+        w.add_tensor(tensor, data, raw_dtype=qtype)
 
-    def norm(name: str) -> None:
-        w.add_tensor(name, np.ones(N_EMBD, dtype=np.float32))
+    def norm(tensor: str) -> None:
+        w.add_tensor(tensor, np.ones(n_embd, dtype=np.float32))
 
-    matrix("token_embd.weight", n_vocab, N_EMBD, q.Q8_0)
-    for i in range(N_LAYER):
+    matrix("token_embd.weight", n_vocab, n_embd)
+    for i in range(shape["n_layer"]):
         norm(f"blk.{i}.attn_norm.weight")
-        for part in ("q", "k", "v"):
-            matrix(f"blk.{i}.attn_{part}.weight", N_EMBD, N_EMBD, q.Q4_1)
-        matrix(f"blk.{i}.attn_output.weight", N_EMBD, N_EMBD, q.Q4_0)
+        matrix(f"blk.{i}.attn_q.weight", n_embd, n_embd)
+        matrix(f"blk.{i}.attn_k.weight", n_embd_kv, n_embd)
+        matrix(f"blk.{i}.attn_v.weight", n_embd_kv, n_embd)
+        matrix(f"blk.{i}.attn_output.weight", n_embd, n_embd)
         norm(f"blk.{i}.ffn_norm.weight")
-        matrix(f"blk.{i}.ffn_gate.weight", N_FF, N_EMBD, q.Q4_1)
-        matrix(f"blk.{i}.ffn_up.weight", N_FF, N_EMBD, q.Q4_1)
-        matrix(f"blk.{i}.ffn_down.weight", N_EMBD, N_FF, q.Q8_0)
+        matrix(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
+        matrix(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
+        matrix(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
     norm("output_norm.weight")
-    matrix("output.weight", n_vocab, N_EMBD, q.Q4_1)
+    if not tied:
+        matrix("output.weight", n_vocab, n_embd)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def quantized(types: dict, default: str):
+    """A weight() for write_llama: each matrix quantised to the type its name's suffix
+    maps to in `types` (e.g. "attn_output.weight": "Q4_0"), else to `default`."""
+    import gguf
+
+    def weight(tensor: str, data):
+        qtype = gguf.GGMLQuantizationType[next((t for k, t in types.items() if tensor.endswith(k)), default)]
+        return gguf.quants.quantize(data, qtype), qtype
+    return weight
+
+
+def write(path: str, seed: int = 0, claimed_layers: int | None = None) -> str:
+    """Write the tiny model to `path` and return the path. claimed_layers: a block_count
+    for the header that the tensors do not have (a hostile file: libllama asserts on 1000)."""
+    shape = dict(n_embd=N_EMBD, n_head=N_HEAD, n_head_kv=N_HEAD, n_ff=N_FF, n_layer=N_LAYER, n_ctx=N_CTX,
+                 n_vocab=len(SPECIAL) + 256 + N_WORDS)
+    types = {"token_embd.weight": "Q8_0", "attn_output.weight": "Q4_0", "ffn_down.weight": "Q8_0"}
+    return write_llama(path, "swarmkv tiny test model", shape, quantized(types, "Q4_1"), seed,
+                       claimed_layers=claimed_layers)
 
 
 def write_twin(path: str, like: str = "smollm2-135m", seed: int = 0) -> str:
     """Write a random-weight model with the shapes and weight types of a real one (TWINS):
     as fast to decode as the real model, without it. Returns the path."""
-    import gguf
-    q = gguf.GGMLQuantizationType
-    shape = TWINS[like]
-    rng = np.random.default_rng(seed)
-    n_embd, n_ff, n_head, n_head_kv = shape["n_embd"], shape["n_ff"], shape["n_head"], shape["n_head_kv"]
-    n_embd_kv = n_embd // n_head * n_head_kv
-
-    w = gguf.GGUFWriter(path, arch="llama")
-    w.add_name(f"swarmkv random twin of {like}")
-    w.add_context_length(shape["n_ctx"])
-    w.add_embedding_length(n_embd)
-    w.add_block_count(shape["n_layer"])
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_rope_dimension_count(n_embd // n_head)
-    w.add_rope_freq_base(shape["rope_base"])
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_1))
-    n_vocab = add_vocabulary(w, shape["n_vocab"] - len(SPECIAL) - 256)
-
-    def matrix(name: str, rows: int, cols: int, qtype) -> None:
-        data = (rng.standard_normal((rows, cols), dtype=np.float32) * 0.05)
-        w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-
-    matrix("token_embd.weight", n_vocab, n_embd, q.Q8_0)      # tied: also the output matrix
-    for i in range(shape["n_layer"]):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        matrix(f"blk.{i}.attn_q.weight", n_embd, n_embd, q.Q4_1)
-        matrix(f"blk.{i}.attn_k.weight", n_embd_kv, n_embd, q.Q4_1)
-        matrix(f"blk.{i}.attn_v.weight", n_embd_kv, n_embd, q.Q4_1)
-        matrix(f"blk.{i}.attn_output.weight", n_embd, n_embd, q.Q4_1)
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        matrix(f"blk.{i}.ffn_gate.weight", n_ff, n_embd, q.Q4_1)
-        matrix(f"blk.{i}.ffn_up.weight", n_ff, n_embd, q.Q4_1)
-        matrix(f"blk.{i}.ffn_down.weight", n_embd, n_ff, q.Q4_1)
-    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
-
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_llama(path, f"swarmkv random twin of {like}", TWINS[like],
+                       quantized({"token_embd.weight": "Q8_0"}, "Q4_1"), seed, tied=True)
 
 
 if __name__ == "__main__":
