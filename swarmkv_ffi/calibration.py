@@ -138,10 +138,10 @@ def token_bucket(tokens: int) -> int:
 def correct(rule: list[int], checked: dict) -> tuple[list[int], list[dict]]:
     """The table after an end-to-end check: where its choice for a row (npl query tokens,
     the model's head size, float KV, every row seeing cell 0) decoded more than
-    CHECK_TOLERANCE slower than the faster kernel, that bucket takes the faster one (ours
-    from the checked cells up; ggml's: never ours). A gap while the table already takes
-    the faster kernel is noise and changes nothing. Returns the table and one verdict
-    per row (also written into `checked`'s rows)."""
+    CHECK_TOLERANCE slower than the faster kernel, and the kernel it took, forced, was
+    too, that bucket takes the faster one (ours from the checked cells up; ggml's: never
+    ours). A gap while the table's kernel, forced, keeps up is noise and changes nothing.
+    Returns the table and one verdict per row (also written into `checked`'s rows)."""
     fixed = list(check_rule(rule))
     cells, head = checked["cells"], head_class(checked["head_dim"])
     for row in checked["rows"]:
@@ -152,8 +152,8 @@ def correct(rule: list[int], checked: dict) -> tuple[list[int], list[dict]]:
                    table_entry=i, was=fixed[i])
         if row["vs_faster"] >= 1 - CHECK_TOLERANCE:
             row["verdict"] = "ok"
-        elif picks == faster:
-            row["verdict"] = "noise: the table already takes the faster kernel"
+        elif row[f"{picks}_tps"] >= (1 - CHECK_TOLERANCE) * row[f"{faster}_tps"]:
+            row["verdict"] = "noise: the table's kernel, forced, keeps up"
         else:
             fixed[i] = cells if faster == "ours" else -1
             row["verdict"] = f"corrected: {faster}'s kernel from now on"
@@ -346,7 +346,11 @@ def main(argv: list[str]) -> int:
     try:
         result = measure(args.prefix, args.threads, args.repeat)
         if args.check_model:
-            result = check_and_correct(args.prefix, result, args.check_model)
+            try:
+                result = check_and_correct(args.prefix, result, args.check_model)
+            except CalibrationError as exc:   # the op timings' table still beats the built-in one
+                print(f"calibration: warning: the end-to-end check failed ({exc}); recording the op timings' "
+                      "table unchecked (swarmkv calibrate retries)", file=sys.stderr)
         entry = record(args.prefix, result)
     except CalibrationError as exc:
         print(f"calibration: error: {exc}", file=sys.stderr)
