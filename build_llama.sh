@@ -378,7 +378,8 @@ if [ $calibrate = 1 ] && [ "$backend" = cpu ]; then
             "$twin.tmp" --like smollm2-135m >/dev/null; then mv "$twin.tmp" "$twin"
         else rm -f "$twin.tmp"; say "warning: could not write the model twin; the kernel table is not checked end to end"; fi
     fi
-    "$py" "$root/swarmkv_ffi/calibration.py" "$prefix" $([ -s "$twin" ] && echo --check-model "$twin") \
+    check=(); [ -s "$twin" ] && check=(--check-model "$twin")
+    "$py" "$root/swarmkv_ffi/calibration.py" "$prefix" ${check[@]+"${check[@]}"} \
         || say "warning: calibration failed; the fast mode keeps the built-in kernel rule (swarmkv calibrate retries)"
 fi
 [ $tools != 0 ] && build_tools
