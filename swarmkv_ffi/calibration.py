@@ -65,6 +65,16 @@ def calibrator(prefix: Path) -> Path:
     return Path(prefix) / "bin" / "fa_calibrate"
 
 
+def kernel_env(rule: list[int] | None = None) -> dict:
+    """This process's environment for a child that times the kernels: without the
+    caller's overrides (GGML_FA_SHARED, GGML_FA_SHARED_RULE), with `rule` as the table if
+    given."""
+    env = {k: v for k, v in os.environ.items() if k not in (ENV_RULE, "GGML_FA_SHARED")}
+    if rule is not None:
+        env[ENV_RULE] = ",".join(map(str, check_rule(rule)))
+    return env
+
+
 def measure(prefix: Path, threads: int | None = None, repeat: int = 3, max_cells: int | None = None) -> dict:
     """Run PREFIX/bin/fa_calibrate; its JSON (rule, measured, seconds, threads). Progress
     goes to our stderr as it runs."""
@@ -73,8 +83,7 @@ def measure(prefix: Path, threads: int | None = None, repeat: int = 3, max_cells
         raise CalibrationError(f"{exe} not found: this build predates calibration; rebuild with ./build_llama.sh")
     cmd = [str(exe), "--repeat", str(repeat)] + (["--threads", str(threads)] if threads else []) \
         + (["--max-cells", str(max_cells)] if max_cells else [])
-    env = {k: v for k, v in os.environ.items() if k not in (ENV_RULE, "GGML_FA_SHARED")}
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=kernel_env())
     if proc.returncode != 0:
         raise CalibrationError(f"{exe.name} failed (exit {proc.returncode})")
     try:
@@ -115,9 +124,7 @@ def check(prefix: Path, model: Path, rule: list[int], threads: int | None = None
         raise CalibrationError(f"no model at {model} to check the kernel choice with")
     cmd = [str(exe), str(model), "--cells", str(cells), "--npl", ",".join(map(str, npl)),
            "--steps", str(steps), "--repeat", str(repeat)] + (["--threads", str(threads)] if threads else [])
-    env = {k: v for k, v in os.environ.items() if k != "GGML_FA_SHARED"}
-    env[ENV_RULE] = ",".join(map(str, check_rule(rule)))
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=kernel_env(rule))
     if proc.returncode != 0:
         raise CalibrationError(f"{exe.name} failed (exit {proc.returncode})")
     try:

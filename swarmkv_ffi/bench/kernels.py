@@ -74,11 +74,10 @@ def calibrated_rule() -> dict | None:
 
 def variant_env(variant: str, rule: list[int] | None) -> dict:
     """The environment of one variant's run: ours, never the caller's kernel overrides."""
-    env = {k: v for k, v in os.environ.items() if k not in ("GGML_FA_SHARED", calibration.ENV_RULE)}
     extra = _RUNS[variant][1]
-    if extra is None:
-        extra = {calibration.ENV_RULE: ",".join(map(str, rule))} if rule else {}
-    return {**env, **extra}
+    if extra is None:                       # the library's table: the calibrated one, else the built-in
+        return calibration.kernel_env(rule)
+    return {**calibration.kernel_env(), **extra}
 
 
 def tool(variant: str) -> Path:
