@@ -5,6 +5,10 @@
     GET  /v1/models              the served model
     POST /v1/chat/completions    chat, whole or streamed (server-sent events)
     POST /v1/completions         text completion, whole or streamed
+    POST /v1/responses           OpenAI's Responses API (openai_responses.py), whole or streamed
+    GET, DELETE /v1/responses/{response_id}   a stored response of the key's
+    POST /v1/messages            Anthropic's Messages API (anthropic.py), whole or streamed
+    POST /v1/messages/count_tokens            the prompt a message request would make, counted
 """
 from __future__ import annotations
 
@@ -25,4 +29,9 @@ def create_app(engine: ServeEngine, keys: Keys, settings: Settings) -> FastAPI:
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+    app.add_api_route("/v1/responses", routes.responses, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", routes.stored_response, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", routes.delete_response, methods=["DELETE"])
+    app.add_api_route("/v1/messages", routes.messages, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", routes.count_tokens, methods=["POST"])
     return app

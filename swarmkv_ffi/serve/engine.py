@@ -88,14 +88,25 @@ class ServeEngine:
         """Load and book one model's pool (the loader's thread, or start)."""
         return HostedModel.open(self.conductor, spec, self.settings, self.disk, self.host_bytes)
 
-    def model_named(self, name: str) -> Loadable:
-        """The model clients call `name`; 404 in OpenAI's words naming those served."""
-        if name not in self.models.named:
-            raise Refused(404, f"The model `{name}` does not exist; this server serves "
-                          f"{', '.join(f'`{n}`' for n in self.models.named)}", "model_not_found", "model")
-        return self.models.named[name]
+    def resolve(self, name: str | None) -> str:
+        """The id of the model a request names: that id if served; on a server of one
+        model, that model whatever the request names (or when it names none), as
+        llama-server answers; else a 404 in OpenAI's words naming those served."""
+        if name in self.models.named:
+            return name
+        if len(self.models.named) == 1:
+            return next(iter(self.models.named))
+        if name is None:
+            raise Refused(400, f"model: name one of the models served: {', '.join(self.models.named)}",
+                          "model_required", "model")
+        raise Refused(404, f"The model `{name}` does not exist; this server serves "
+                      f"{', '.join(f'`{n}`' for n in self.models.named)}", "model_not_found", "model")
 
-    async def use(self, owner: int, name: str, keep_alive: float | None = None) -> Use:
+    def model_named(self, name: str | None) -> Loadable:
+        """The model a request names (resolve())."""
+        return self.models.named[self.resolve(name)]
+
+    async def use(self, owner: int, name: str | None, keep_alive: float | None = None) -> Use:
         """Hold the model clients call `name` loaded for one of owner's requests (loading
         it first, the request queued meanwhile, counted as one choice in flight of its
         key's: a key cannot pile up waiting bodies). 404 for a name not served, 429/503 as

@@ -22,6 +22,13 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: 
                408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
 
 
+#: Anthropic's error types by HTTP status, for the routes under /v1/messages.
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+                   500: "api_error", 503: "overloaded_error"}
+ANTHROPIC_PATHS = "/v1/messages"
+
+
 class Refused(Exception):
     """A request the server will not run; `status` is the HTTP status it maps to."""
 
@@ -36,19 +43,31 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
     return ErrorBody(error=detail).model_dump()
 
 
-def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+def anthropic_error_body(status: int, message: str) -> dict:
+    """Anthropic's error object (the `anthropic` SDK raises its exceptions from it)."""
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+
+
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
+                   path: str = "") -> JSONResponse:
+    """The error as the API at `path` writes it: Anthropic's under /v1/messages, else OpenAI's."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return JSONResponse(anthropic_error_body(status, message), status_code=status)
     return JSONResponse(error_body(status, message, code, param), status_code=status)
 
 
-def refused_response(exc: Refused) -> JSONResponse:
-    return error_response(exc.status, str(exc), exc.code, exc.param)
+def refused_response(exc: Refused, path: str = "") -> JSONResponse:
+    return error_response(exc.status, str(exc), exc.code, exc.param, path)
 
 
 def validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
-    """The first failed field, named: (message, param)."""
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-    said = first["msg"]
+    """The failed field that says most, named: (message, param). A value refused with a
+    reason of ours (a ValueError) is named before a type mismatch; where a field takes
+    several forms (text or a list of parts), the form that was not sent is not named."""
+    errors = exc.errors()
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    where = ".".join(str(p) for p in first.get("loc", ()) if p not in UNION_BRANCHES and "[" not in str(p))
+    said = first["msg"].removeprefix("Value error, ")
     if first.get("type") == "extra_forbidden":
         said = ("this server does not act on this field, so it refuses it rather than ignore it "
                 "(docs/serve.md lists the fields it honours)")
@@ -56,6 +75,10 @@ def validation_message(exc: ValidationError | RequestValidationError) -> tuple[s
         said = (f"{said} (response_format is {{'type': 'text'}}, {{'type': 'json_object'}} or "
                 "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}})")
     return (f"{where}: {said}" if where else said), where or None
+
+
+#: The names pydantic gives the forms of a field that takes several (not fields themselves).
+UNION_BRANCHES = {"body", "str", "unsupported", "function-after[_duration(), union[float,str,none]]"}
 
 
 def unsupported(exc: ValidationError) -> bool:
@@ -89,17 +112,17 @@ def refused(exc: BaseException) -> Refused:
 
 def install(app: FastAPI) -> None:
     """Route every error an app raises through this module."""
-    async def on_refused(_request, exc: Refused):
-        return refused_response(exc)
+    async def on_refused(request, exc: Refused):
+        return refused_response(exc, request.url.path)
 
-    async def on_http(_request, exc: HTTPException):
-        return error_response(exc.status_code, str(exc.detail))
+    async def on_http(request, exc: HTTPException):
+        return error_response(exc.status_code, str(exc.detail), path=request.url.path)
 
-    async def on_library(_request, exc: SwarmKVError):
-        return error_response(500, str(exc), "server_error")
+    async def on_library(request, exc: SwarmKVError):
+        return error_response(500, str(exc), "server_error", path=request.url.path)
 
-    async def on_invalid(_request, exc: RequestValidationError):
-        return error_response(400, *validation_message(exc))
+    async def on_invalid(request, exc: RequestValidationError):
+        return error_response(400, *validation_message(exc), path=request.url.path)
 
     app.add_exception_handler(Refused, on_refused)
     app.add_exception_handler(HTTPException, on_http)

@@ -66,6 +66,15 @@ class Keys:
         return "open" if owner == OPEN else self._keys[owner - OWNER_BASE - 1][1]
 
 
+def presented(headers) -> str | None:
+    """The credential a request carries, as an Authorization header: OpenAI's clients send
+    `Authorization: Bearer KEY`, Anthropic's `x-api-key: KEY` (either is taken)."""
+    authorization = headers.get("authorization")
+    if authorization is None and headers.get("x-api-key") is not None:
+        return f"Bearer {headers.get('x-api-key')}"
+    return authorization
+
+
 def bearer(authorization: str | None) -> bytes:
     """The token of an `Authorization: Bearer TOKEN` header (empty without one)."""
     return (authorization or "").removeprefix("Bearer ").strip().encode()

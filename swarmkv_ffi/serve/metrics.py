@@ -40,12 +40,28 @@ class KeyCounts:
     generated: int = 0
 
 
+#: The APIs requests come in by (swarmkv_requests_by_api_total's label).
+APIS = ("chat", "completions", "responses", "messages")
+
+
 class Tally:
-    """Each owner's counters, bumped as choices end (Call._run, on their own threads)."""
+    """Each owner's counters, bumped as choices end (Call._run, on their own threads), and
+    the requests each owner made by API."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._counts: dict[int, KeyCounts] = {}
+        self._by_api: dict[tuple[int, str], int] = {}
+
+    def asked(self, owner: int, api: str) -> None:
+        """A request of owner's through `api` (one of APIS) was admitted to run."""
+        with self._lock:
+            self._by_api[owner, api] = self._by_api.get((owner, api), 0) + 1
+
+    def by_api(self, owner: int | None) -> dict[str, int]:
+        with self._lock:
+            return {api: sum(n for (o, a), n in self._by_api.items() if a == api and owner in (None, o))
+                    for api in APIS}
 
     def ended(self, owner: int, result, prompt_tokens: int, first_of_prompt: bool) -> None:
         """A choice ended with `result` (a RequestResult, or None when it failed); the first
@@ -80,6 +96,11 @@ class _Collector:
         engine, owner = self.engine, self.owner
         c = engine.tally.counts(owner)
         yield _counter("requests", "Choices of requests that ended (answered, stopped or failed)", c.requests)
+        by_api = CounterMetricFamily("swarmkv_requests_by_api", "Requests run, by the API they came in by: "
+                                     "chat completions, completions, Responses, Anthropic Messages", labels=["api"])
+        for api, n in engine.tally.by_api(owner).items():
+            by_api.add_metric([api], n)
+        yield by_api
         yield _counter("prompt_tokens", "Prompt tokens of requests, once per prompt", c.prompt_tokens)
         cached = CounterMetricFamily("swarmkv_prompt_tokens_cached", "Prompt tokens taken from cache instead "
                                      "of prefilled, by tier: the pool's cells, host RAM (evicted prefixes), "

@@ -7,6 +7,10 @@ send) and `ending` (the chunks of one choice's finish), and `usage_chunk` for
 stream_options. An answer in the tool-call form (structured.py) is read once whole: its
 stream holds the text back and sends, at the end, either the content or each tool call
 as OpenAI streams one (a piece with id, type and name, then its arguments).
+
+`Events` turns either into what routes.answer takes from every API's shape (this
+module's, openai_responses.py's, anthropic.py's): `whole` (a JSON body), and for a
+stream `opening`, `piece`, `ending`, `closing` and `error`, each server-sent events.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import time
 import uuid
 
 from .calls import Call, Choice
+from .errors import Refused, error_body
 from .schemas import (ChatChoice, ChatChunk, ChatCompletion, ChatLogprobs, ChatMessage, ChunkChoice, Completion,
                       CompletionChoice, CompletionLogprobs, Delta, FunctionCallOut, FunctionPiece, TokenLogprob,
                       ToolCallOut, ToolCallPiece)
@@ -23,6 +28,39 @@ from .schemas import (ChatChoice, ChatChunk, ChatCompletion, ChatLogprobs, ChatM
 def sse(data: dict) -> str:
     """One server-sent event."""
     return f"data: {json.dumps(data)}\n\n"
+
+
+def sse_event(kind: str, data: dict) -> str:
+    """One server-sent event with its name (the Responses and Messages APIs name theirs)."""
+    return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+
+class Events:
+    """A chat or text completion shape's chunks as server-sent events: `data:` lines,
+    OpenAI's error object for a choice that failed, the usage chunk when asked, [DONE]."""
+
+    def __init__(self, shape):
+        self.shape = shape
+
+    def whole(self, call: Call) -> dict:
+        return self.shape.whole(call).model_dump()
+
+    def opening(self, call: Call):
+        return [sse(c.model_dump()) for c in self.shape.opening(call)]
+
+    def piece(self, call: Call, choice: Choice, text: str):
+        chunk = self.shape.piece(call, choice, text)
+        return [] if chunk is None else [sse(chunk.model_dump())]
+
+    def ending(self, call: Call, choice: Choice):
+        return [sse(c.model_dump()) for c in self.shape.ending(call, choice) if c is not None]
+
+    def closing(self, call: Call):
+        usage = [sse(self.shape.usage_chunk(call).model_dump())] if call.body.usage_in_stream else []
+        return usage + ["data: [DONE]\n\n"]
+
+    def error(self, exc: Refused) -> str:
+        return sse(error_body(exc.status, str(exc), exc.code))
 
 
 class ChatShape:

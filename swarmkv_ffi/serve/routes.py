@@ -17,17 +17,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from .. import grammar
-from . import structured, templates
+from . import anthropic, openai_responses, structured, templates, volatile
 from .calls import Call
 from .engine import ServeEngine
 from .hosted import HostedModel
 from .errors import Refused, error_body, error_response, refused, unsupported, validation_message
-from .keys import OPEN, Keys, bearer
+from .keys import OPEN, Keys, bearer, presented
 from .metrics import CONTENT_TYPE as METRICS_TYPE
 from .metrics import render as metrics_text
-from .responses import ChatShape, CompletionShape, sse
+from .openai_responses import ResponsesRequest
+from .responses import ChatShape, CompletionShape, Events
 from .schemas import ChatRequest, CompletionRequest, ModelCard, ModelList, ModelStatus, bad_text
 from .settings import Settings
+from .stored import StoredResponses
+
+
+#: The API each POST route speaks, as /metrics counts requests.
+API_OF = {"/v1/chat/completions": "chat", "/v1/responses": "responses", "/v1/messages": "messages"}
 
 
 #: Requests of one key read, parsed and tokenized at once (Served.preparing).
@@ -42,6 +48,11 @@ class Served:
     settings: Settings
     created: int = field(default_factory=lambda: int(time.time()))
     gates: dict[int, asyncio.Semaphore] = field(default_factory=dict)
+    stored: StoredResponses = None        # the Responses API's stored responses (from settings)
+
+    def __post_init__(self):
+        s = self.settings
+        self.stored = StoredResponses(s.stored_responses, s.stored_responses_mib << 20, s.stored_responses_ttl)
 
     def preparing(self, owner: int) -> asyncio.Semaphore:
         """The owner's gate to read, parse and tokenize a request: PREPARING_PER_KEY at
@@ -57,8 +68,9 @@ def served(request: Request) -> Served:
 
 
 def owner_of(request: Request) -> int:
-    """The owner the request's API key stands for; 401 without a valid one."""
-    who = served(request).keys.owner(request.headers.get("authorization"))
+    """The owner the request's API key stands for (Authorization or x-api-key); 401
+    without a valid one."""
+    who = served(request).keys.owner(presented(request.headers))
     if who is None:
         raise Refused(401, "Incorrect API key provided", "invalid_api_key")
     return who
@@ -78,7 +90,7 @@ async def metrics(request: Request):
     without keys), a key's own counters for an API key (metrics.py)."""
     s = served(request)
     wanted = s.settings.metrics_key
-    if wanted is not None and hmac.compare_digest(bearer(request.headers.get("authorization")), wanted.encode()):
+    if wanted is not None and hmac.compare_digest(bearer(presented(request.headers)), wanted.encode()):
         owner = None
     else:
         owner = owner_of(request)
@@ -106,18 +118,100 @@ async def chat(request: Request):
     s = served(request)
     async with s.preparing(who):
         body = await read_body(request, ChatRequest, s)
-    use = await s.engine.use(who, body.model, body.keep_alive)
+    return await run_chat(request, who, body, lambda name, _turns: Events(ChatShape(name)))
+
+
+async def responses(request: Request):
+    """OpenAI's Responses API: the request as a chat request (openai_responses.py), its
+    answer as a response object; `previous_response_id` continues a stored conversation."""
+    who = owner_of(request)
+    s = served(request)
+    async with s.preparing(who):
+        body = await read_body(request, ResponsesRequest, s)
+    earlier = []
+    if body.previous_response_id is not None:
+        found = s.stored.get(who, body.previous_response_id)
+        if found is None:
+            raise Refused(400, f"Previous response with id '{body.previous_response_id}' not found (stored "
+                          f"responses are kept {s.settings.stored_responses_ttl:g} s, per key)",
+                          "previous_response_not_found", "previous_response_id")
+        earlier = found.messages
+    name = s.engine.resolve(body.model)
+    chat_body, turns = openai_responses.to_chat(body, name, earlier)
+    return await run_chat(request, who, chat_body,
+                          lambda name, turns_: openai_responses.ResponsesShape(body, name, who, s.stored, turns),
+                          turns)
+
+
+async def stored_response(request: Request):
+    """GET /v1/responses/{id}: one of the key's stored responses."""
+    who = owner_of(request)
+    found = served(request).stored.get(who, request.path_params["response_id"])
+    if found is None:
+        raise Refused(404, f"No response with id '{request.path_params['response_id']}' is stored for this key",
+                      "not_found", "response_id")
+    return found.response
+
+
+async def delete_response(request: Request):
+    who = owner_of(request)
+    response_id = request.path_params["response_id"]
+    if not served(request).stored.delete(who, response_id):
+        raise Refused(404, f"No response with id '{response_id}' is stored for this key", "not_found", "response_id")
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+async def messages(request: Request):
+    """Anthropic's Messages API: the request as a chat request (anthropic.py), its answer
+    as a message with content blocks."""
+    who = owner_of(request)
+    s = served(request)
+    async with s.preparing(who):
+        body = await read_body(request, anthropic.MessagesRequest, s)
+    chat_body = anthropic.to_chat(body, s.engine.resolve(body.model))
+    return await run_chat(request, who, chat_body, lambda name, _turns: anthropic.MessagesShape(name))
+
+
+async def count_tokens(request: Request):
+    """The prompt a Messages request would make, counted: its input_tokens, cached or not."""
+    who = owner_of(request)
+    s = served(request)
+    async with s.preparing(who):
+        body = await read_body(request, anthropic.CountTokensRequest, s)
+    chat_body = anthropic.to_chat(body, s.engine.resolve(body.model))
+    use = await s.engine.use(who, chat_body.model, None)
+    try:
+        async with s.preparing(who):
+            tokens, _ = await prepared_chat(use.hosted, chat_body, s.settings)
+    finally:
+        use.release()
+    return {"input_tokens": len(tokens)}
+
+
+async def run_chat(request: Request, who: int, body: ChatRequest, shape_for, turns=None):
+    """Run a chat request of `who`'s (whichever API it came in as) and answer in the shape
+    shape_for(model id, turns) makes."""
+    s = served(request)
+    name = s.engine.resolve(body.model)
+    use = await s.engine.use(who, name, body.keep_alive)
     try:
         hosted = use.hosted
         async with s.preparing(who):
-            structure = structured.plan(body, parallel_default=templates.model_knows_tools(hosted.model))
-            tokens = await asyncio.to_thread(chat_tokens, hosted, body, structure)
+            tokens, structure = await prepared_chat(hosted, body, s.settings)
         call = Call(s.engine, use, who, body, [tokens],
                     hosted.max_tokens_for([tokens], body.limit(), "messages"), asyncio.get_running_loop(), structure)
     except BaseException:
         use.release()
         raise
-    return await answer(request, call, ChatShape(body.model))
+    s.engine.tally.asked(who, API_OF.get(request.url.path, "other"))
+    return await answer(request, call, shape_for(name, turns))
+
+
+async def prepared_chat(hosted: HostedModel, body: ChatRequest, settings: Settings):
+    """(the prompt's tokens, its Structure): planned here, tokenized on a worker thread."""
+    structure = structured.plan(body, parallel_default=templates.model_knows_tools(hosted.model))
+    tokens = await asyncio.to_thread(chat_tokens, hosted, body, structure, settings.keep_billing_header)
+    return tokens, structure
 
 
 async def completions(request: Request):
@@ -128,7 +222,8 @@ async def completions(request: Request):
         if body.echo or body.suffix:
             raise Refused(400, "echo and suffix are not supported", "unsupported_parameter",
                           "echo" if body.echo else "suffix")
-    use = await s.engine.use(who, body.model, body.keep_alive)
+    name = s.engine.resolve(body.model)
+    use = await s.engine.use(who, name, body.keep_alive)
     try:
         hosted = use.hosted
         async with s.preparing(who):
@@ -139,7 +234,8 @@ async def completions(request: Request):
     except BaseException:
         use.release()
         raise
-    return await answer(request, call, CompletionShape(body.model))
+    s.engine.tally.asked(who, "completions")
+    return await answer(request, call, Events(CompletionShape(name)))
 
 
 # ---- what the POST routes share -------------------------------------------------------------
@@ -221,13 +317,17 @@ def check_vocabulary(n_vocab: int, ids: dict[str, list[int]]) -> None:
                           "invalid_token", field_name)
 
 
-def chat_tokens(hosted: HostedModel, body: ChatRequest, structure: structured.Structure) -> list[int]:
-    """The messages (with the tools told, structured.py) through the model's chat
-    template, as tokens; the grammar checked against the vocabulary. Off the event loop:
-    a body of megabytes takes a while."""
+def chat_tokens(hosted: HostedModel, body: ChatRequest, structure: structured.Structure,
+                keep_billing_header: bool = False) -> list[int]:
+    """The messages (a billing header dropped, volatile.py; the tools told, structured.py)
+    through the model's chat template, as tokens; the grammar checked against the
+    vocabulary. Off the event loop: a body of megabytes takes a while."""
     model = hosted.model
     check_vocabulary(model.n_vocab, body.vocabulary_ids())
-    messages = structure.messages([m.for_template() for m in body.messages], templates.model_knows_tools(model))
+    said = [m.for_template() for m in body.messages]
+    if not keep_billing_header:
+        said = volatile.steady(said)
+    messages = structure.messages(said, templates.model_knows_tools(model))
     check_length(hosted, sum(len(t) for t in templates.message_texts(messages)), "messages")
     check_grammar(model, structure)
     try:
@@ -272,7 +372,8 @@ def check_grammar(model, structure: structured.Structure) -> None:
 
 async def answer(request: Request, call: Call, shape):
     """Run the call: a stream of events, or, once every choice has ended, the whole
-    response (a client that leaves first cancels its choices)."""
+    response (a client that leaves first cancels its choices). `shape` writes both, in
+    its API's form (responses.Events, openai_responses, anthropic)."""
     call.start()
     if call.body.stream:
         return StreamingResponse(stream_events(call, shape), media_type="text/event-stream")
@@ -285,7 +386,7 @@ async def answer(request: Request, call: Call, shape):
     failed = call.failure()
     if failed is not None:
         raise failed
-    return JSONResponse(shape.whole(call).model_dump())
+    return JSONResponse(shape.whole(call))
 
 
 async def watch_disconnect(request: Request, call: Call) -> None:
@@ -297,20 +398,16 @@ async def watch_disconnect(request: Request, call: Call) -> None:
 async def stream_events(call: Call, shape):
     finished = False
     try:
-        for chunk in shape.opening(call):
-            yield sse(chunk.model_dump())
+        for event in shape.opening(call):
+            yield event
         async for kind, choice, text in call.events():
             if choice.error is not None and kind == "end":
-                exc = refused(choice.error)
-                yield sse(error_body(exc.status, str(exc), exc.code))
+                yield shape.error(refused(choice.error))
                 continue
-            chunks = [shape.piece(call, choice, text)] if kind == "text" else shape.ending(call, choice)
-            for chunk in chunks:
-                if chunk is not None:
-                    yield sse(chunk.model_dump())
-        if call.body.usage_in_stream:
-            yield sse(shape.usage_chunk(call).model_dump())
-        yield "data: [DONE]\n\n"
+            for event in (shape.piece(call, choice, text) if kind == "text" else shape.ending(call, choice)):
+                yield event
+        for event in shape.closing(call):
+            yield event
         finished = True
     finally:
         if not finished:

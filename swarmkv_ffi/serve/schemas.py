@@ -169,7 +169,7 @@ class JsonSchemaFormat(BaseModel):
 class Sampling(BaseModel):
     """What both endpoints share."""
     model_config = STRICT
-    model: str
+    model: str | None = None                                 # optional where one model is served
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)

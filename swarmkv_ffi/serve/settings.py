@@ -43,6 +43,10 @@ class Settings:
     read_timeout: float = 30.0               # seconds to send a request's headers, and again its body
     idle_connections_per_address: int = 64   # connections without a request yet (guard.py)
     metrics_key: str | None = None           # a scrape with it sees the whole server's /metrics
+    stored_responses: int = 256              # the Responses API's stored responses per key (stored.py)
+    stored_responses_mib: int = 64           # ... and their text, per key
+    stored_responses_ttl: float = 3600.0     # seconds unused before one is forgotten
+    keep_billing_header: bool = False        # keep a system prompt's billing header (volatile.py)
 
     @property
     def served_names(self) -> str:
@@ -86,6 +90,9 @@ class Settings:
             raise ValueError(f"--host-cache-mib must be in 0..{1 << 24} (0: off), got {self.host_cache_mib}")
         if self.max_body_bytes < 1024:
             raise ValueError("--max-body-bytes must be at least 1024")
+        if self.stored_responses < 0 or self.stored_responses_mib < 0 or self.stored_responses_ttl <= 0:
+            raise ValueError("--stored-responses and --stored-responses-mib must be >= 0 (0: none kept), "
+                             "--stored-responses-ttl > 0 seconds")
         if not 0 < self.read_timeout <= 3600 or self.idle_connections_per_address < 1:
             raise ValueError("--read-timeout must be in (0, 3600] seconds and "
                              "--idle-connections-per-address at least 1")
@@ -199,6 +206,18 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
          help="a connection that has not sent a request's headers this long after opening (or after "
               "its last answer) is closed, and a body not sent whole within it is a 408 "
               "(default: %(default)s)")
+    flag("stored-responses", type=int, default=d.stored_responses, metavar="N",
+         help="Responses API: responses kept per key for previous_response_id (store, on by default as "
+              "OpenAI's); past N, or past --stored-responses-mib, the least recently used go "
+              "(default: %(default)s; 0: none kept)")
+    flag("stored-responses-mib", type=int, default=d.stored_responses_mib, metavar="MIB",
+         help="the text of one key's stored responses, at most (default: %(default)s)")
+    flag("stored-responses-ttl", type=float, default=d.stored_responses_ttl, metavar="SECONDS",
+         help="a stored response unused this long is forgotten (default: %(default)s)")
+    flag("keep-billing-header", action="store_true",
+         help="keep a billing header line (x-anthropic-billing-header: ...; cch=...;) at the top of a "
+              "system prompt; by default it is dropped before templating, since its value changes on "
+              "every request and would defeat the prefix cache (docs/serve.md)")
     flag("idle-connections-per-address", type=int, default=d.idle_connections_per_address, metavar="N",
          help="connections one client address may hold open without a request; a newer one closes "
               "its oldest (default: %(default)s)")

@@ -53,6 +53,7 @@ class Structure:
     auto: bool = False
     enveloped: bool = False
     response_is_json: bool = False
+    parallel: bool = False        # several calls may be made at once
     param: str = "grammar"        # the field the grammar comes from, named when it fails
 
     def messages(self, messages: list[dict], template_knows_tools: bool) -> list[dict]:
@@ -121,7 +122,7 @@ def plan(body, parallel_default: bool = False) -> Structure:
     parallel = parallel_default if body.parallel_tool_calls is None else body.parallel_tool_calls
     schema = envelope(offered, auto=auto, parallel=parallel and not named, response=response)
     return Structure(grammar=_compile(schema, "tools"), tools=tool_dicts, auto=auto, enveloped=True,
-                     response_is_json=response is not None, param="tools")
+                     response_is_json=response is not None, parallel=parallel and not named, param="tools")
 
 
 def envelope(functions: list[dict], auto: bool, parallel: bool, response: dict | None = None) -> dict:

@@ -16,6 +16,7 @@ class TextStream:
         self._text = ""       # decoded, not sent yet
         self.sent = ""
         self.stopped = False  # a stop string was found
+        self.stop_string: str | None = None   # which one (the earliest in the text)
 
     def feed(self, token: int) -> str:
         """The text that may go out after `token` (maybe none); sets `stopped`."""
@@ -23,7 +24,7 @@ class TextStream:
         for s in self.stop:
             at = self._text.find(s)
             if at >= 0:
-                self._text, self.stopped = self._text[:at], True
+                self._text, self.stopped, self.stop_string = self._text[:at], True, s
         if self.stopped:
             return self.flush()
         keep = self._held_back()
