@@ -181,6 +181,27 @@ def test_routes_are_kept_apart_by_key_unless_keys_share_prefixes():
     assert route("key-a-0123456789", False).endswith(over("shared"))
 
 
+def test_the_responses_and_messages_apis_through_the_ingress(served):
+    """Anthropic's client (its key as x-api-key) and the Responses API through the ingress;
+    a turn continuing a stored response goes to the replica that holds it, and forks it."""
+    import anthropic
+    server, _ = served
+    claude = anthropic.Anthropic(base_url=server.url, api_key=RAY_KEY, max_retries=0, timeout=300)
+    message = claude.messages.create(model="smollm2-135m", max_tokens=4, system=over("claude"),
+                                     messages=[{"role": "user", "content": "Who may use the work?"}])
+    assert message.usage.output_tokens > 0
+    client = server.client(RAY_KEY)
+    raw = client.responses.with_raw_response.create(model="smollm2-135m", max_output_tokens=4,
+                                                    input=over("turns") + "\nWho may use the work?")
+    first, replica = raw.parse(), raw.headers["x-swarmkv-replica"]
+    for question in ("Is there a warranty?", "Can I sell copies?", "What is a Contribution?"):
+        # (a short input alone: only the stored response tells the router where to go)
+        raw = client.responses.with_raw_response.create(model="smollm2-135m", previous_response_id=first.id,
+                                                        input=question, max_output_tokens=4)
+        assert raw.headers["x-swarmkv-replica"] == replica
+        assert raw.parse().usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+
+
 def test_the_ingress_checks_the_key_first_and_counts_its_quota_over_every_replica(served):
     """A wrong key is a 401 before the body is read (here: never sent); a key's choices in
     flight are counted by the ingress over both replicas (--max-requests-per-key 8),

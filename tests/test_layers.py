@@ -33,13 +33,15 @@ LAYERS: list[list[str]] = [
     ["conductor.agents", "conductor.access"],                           # the Conductor
     ["conductor.requests", "conductor.server"],                         # its two doors: requests, the socket
     ["serve", "serve.schemas", "serve.keys", "serve.text", "serve.routing", "serve.persist", "serve.templates",
-     "serve.guard", "serve.metrics", "serve.sizing", "serve.lineup"],
+     "serve.guard", "serve.metrics", "serve.sizing", "serve.lineup", "serve.volatile", "serve.stored"],
     ["serve.errors", "serve.settings", "serve.structured"],
     ["serve.hosted"],                                                   # one model: its pool, tier, size
     ["serve.loading"],                                                  # load on demand, unload when idle
     ["serve.engine"],                                                   # serve/ on conductor.requests
     ["serve.calls"],
-    ["serve.responses"],
+    ["serve.responses"],                                                # chat and text completions' shapes
+    ["serve.openai_responses"],                                         # the Responses API, as a chat request
+    ["serve.anthropic"],                                                # the Messages API, as a chat request
     ["serve.routes"],
     ["serve.app"],
     ["serve.http", "serve.on_ray"],

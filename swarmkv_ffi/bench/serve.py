@@ -27,6 +27,9 @@ warm-up request:
     models      three models x N agents at once behind one endpoint, against llama-server's
                 router mode; then where only two fit, loaded and unloaded on demand
                 (serve_models.py)
+    apis        N agents at once through chat completions, the Responses API and Anthropic's
+                Messages API, each against ours through chat and llama-server --jinja on the
+                same API (serve_apis.py)
 
 Reported: wall seconds per side, llama-server's / ours, tokens, prompt tokens served from
 cache (usage.prompt_tokens_details.cached_tokens, where a side reports it), and how many
@@ -260,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", type=Path, default=None,
                     help="llama-server binary (default: the stock one from ./build_llama.sh --tools)")
     ap.add_argument("--scenarios", default="at_once,one_by_one,turns,exact,overhead,structured",
-                    help="which to run, of those and keys, scale, tiers, preempt, models (default: all but those five)")
+                    help="which to run, of those and keys, scale, tiers, preempt, models, apis (default: all but those six)")
     ap.add_argument("--attacks", default="idle,flood,big,body",
                     help="the keys scenario's attacks, of idle, flood, big, body (default: all)")
     ap.add_argument("--keys-rows", default="together,attacks,oracle",
@@ -274,13 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     wanted = args.scenarios.split(",")
     unknown = set(wanted) - {"at_once", "one_by_one", "turns", "exact", "overhead", "structured", "keys", "scale",
-                             "tiers", "preempt", "models"}
+                             "tiers", "preempt", "models", "apis"}
     if unknown:
         ap.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
     from .serve_keys import ATTACKS
     if not set(args.attacks.split(",")) <= set(ATTACKS) or not set(args.keys_rows.split(",")) <= {"together", "attacks", "oracle"}:
         ap.error(f"--attacks takes some of {', '.join(ATTACKS)}; --keys-rows some of together, attacks, oracle")
-    if {"at_once", "one_by_one", "turns", "structured", "scale", "models", "tiers"} & set(wanted):   # (exact and overhead: ours alone)
+    if {"at_once", "one_by_one", "turns", "structured", "scale", "models", "tiers", "apis"} & set(wanted):   # (exact and overhead: ours alone)
         args.server = server_binary(args.server, "swarmkv bench serve")
         if args.server is None:
             return 2
@@ -318,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     if "models" in wanted:
         from .serve_models import models_rows
         rows += models_rows(args, lambda name: f"Document {name}.\n" + keyed_body, QUESTIONS)
+    if "apis" in wanted:
+        from .serve_apis import api_rows
+        rows += api_rows(args, doc, QUESTIONS)
     if "preempt" in wanted:
         from .serve_preempt import preempt_rows
         rows += preempt_rows(args, doc)

@@ -11,6 +11,10 @@ goes there instead, so one hot document cannot pin all traffic to one replica.
 `--route load` keeps Serve's default router (power of two choices by queue length), the
 benchmark's baseline.
 
+A stored response (the Responses API's `previous_response_id`) lives on the replica that
+answered it: the replica names it in its answer's headers (RESPONSE_HEADER), the ingress
+remembers which replica that was, and a request continuing it is routed there first.
+
 A replica that dies: a request that has received nothing yet is retried once (the router
 picks a live replica); one that has streamed part of its answer ends with an error event
 (503); Serve starts a new replica. Everything the replica does (keys, 4xx errors, quotas)
@@ -24,6 +28,7 @@ import logging
 import signal
 import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -31,6 +36,8 @@ from fastapi.responses import StreamingResponse
 from ray.exceptions import RayActorError      # a replica that died, or whose node went
 
 from .errors import Refused, error_body, refused_response
+from .keys import presented
+from .openai_responses import RESPONSE_HEADER
 from .responses import sse
 from .routes import capped_body
 from .settings import Settings
@@ -38,6 +45,8 @@ from .settings import Settings
 log = logging.getLogger("swarmkv.serve")
 
 REPLICA_HEADER = "x-swarmkv-replica"
+#: Stored responses whose replica the ingress remembers (the oldest forgotten first).
+REMEMBERED_RESPONSES = 65536
 
 
 @dataclass
@@ -51,6 +60,8 @@ class Forwarded:
     body: bytes
     prompt: str = ""
     choices: int = 1          # n x prompts, as the ingress counts them against the key's quota
+    continues: str | None = None    # the stored response (previous_response_id) this request continues
+    replica: str | None = None      # the replica holding it (set by the ingress): routed there first
 
     @classmethod
     def of(cls, method: str, path: str, query: bytes, headers, body: bytes, shared: bool = False) -> "Forwarded":
@@ -61,9 +72,11 @@ class Forwarded:
         parsed = _parsed(body)
         text = routing_text(path, parsed)
         if not shared:
-            key = next((v for k, v in headers if k.lower() == "authorization"), "")
+            key = presented({k.lower(): v for k, v in headers}) or ""
             text = hashlib.blake2b(key.encode(), digest_size=8).hexdigest() + "\n" + text
-        return cls(method, path, query, headers, body, text, choices_of(parsed))
+        continues = parsed.get("previous_response_id")
+        return cls(method, path, query, headers, body, text, choices_of(parsed),
+                   continues if isinstance(continues, str) else None)
 
 
 def _parsed(body: bytes) -> dict:
@@ -85,12 +98,16 @@ def choices_of(parsed: dict) -> int:
 
 
 def routing_text(path: str, parsed: dict) -> str:
-    """The text a request's prompt starts with: its messages' contents in order (a chat),
-    its prompt (a completion); never empty (the router divides by its length), so a
-    request without one (GET /health, a malformed body the replica will refuse) is its path."""
-    messages, prompt = parsed.get("messages"), parsed.get("prompt")
-    if isinstance(messages, list):
-        text = "".join(_content(m.get("content")) for m in messages if isinstance(m, dict))
+    """The text a request's prompt starts with: its system prompt or instructions, then
+    its messages' or input items' contents in order (chat, Messages, Responses), its
+    prompt (a completion); never empty (the router divides by its length), so a request
+    without one (GET /health, a malformed body the replica will refuse) is its path."""
+    messages, prompt = parsed.get("messages", parsed.get("input")), parsed.get("prompt")
+    head = _content(parsed.get("system")) + _content(parsed.get("instructions"))
+    if isinstance(messages, str):
+        text = head + messages
+    elif isinstance(messages, list):
+        text = head + "".join(_content(m.get("content")) for m in messages if isinstance(m, dict))
     elif isinstance(prompt, list):
         text = next((p for p in prompt if isinstance(p, str)), "")
     else:
@@ -202,10 +219,11 @@ def ingress(settings: Settings, keys: dict[str, str]):
             self.keys = Keys(keys)
             self.per_key = settings.per_key(len(keys))
             self.running: dict[int, int] = {}       # owner -> choices in flight, on every replica
+            self.made: OrderedDict[tuple[int | None, str], str] = OrderedDict()   # (owner, response id) -> replica
 
         @api.api_route("/{path:path}", methods=["GET", "POST"])
         async def forward(self, request: Request, path: str):
-            who = self.keys.owner(request.headers.get("authorization")) if path != "health" else None
+            who = self.keys.owner(presented(request.headers)) if path != "health" else None
             if who is None and path != "health":
                 return refused_response(Refused(401, "Incorrect API key provided", "invalid_api_key"))
             try:
@@ -215,11 +233,12 @@ def ingress(settings: Settings, keys: dict[str, str]):
                                                     request.url.query.encode(), request.headers.items(), body,
                                                     settings.share_prefixes)
                 self._admit(who, forwarded.choices)
+                forwarded.replica = self.made.get((who, forwarded.continues))
             except Refused as exc:
-                return refused_response(exc)
+                return refused_response(exc, request.url.path)
             except TimeoutError:
                 return refused_response(Refused(408, "the body did not arrive within --read-timeout",
-                                                "request_timeout"))
+                                                "request_timeout"), request.url.path)
             try:
                 return await self._send(forwarded, who)
             except BaseException:
@@ -239,6 +258,15 @@ def ingress(settings: Settings, keys: dict[str, str]):
                               "(--max-requests-per-key), across every replica", "rate_limit_exceeded")
             self.running[who] = mine + choices
 
+        def _remember(self, who: int | None, headers) -> None:
+            """A stored response's replica, from its answer's headers (the key's own: another
+            key naming the id is not routed by it, and its replica refuses it anyway)."""
+            made = dict((k.lower(), v) for k, v in headers)
+            if RESPONSE_HEADER in made and REPLICA_HEADER in made:
+                self.made[who, made[RESPONSE_HEADER]] = made[REPLICA_HEADER]
+                if len(self.made) > REMEMBERED_RESPONSES:
+                    self.made.popitem(last=False)
+
         def _leave(self, who: int | None, choices: int) -> None:
             if who is not None:
                 self.running[who] -= choices
@@ -252,6 +280,7 @@ def ingress(settings: Settings, keys: dict[str, str]):
                     log.warning("serve --ray: a replica died before answering; %s",
                                 "retrying on another" if attempt == 0 else "giving up")
                     continue
+                self._remember(who, headers)
                 release = once(lambda: self._leave(who, forwarded.choices))
                 body = self.rest(stream, headers, release)
                 weakref.finalize(body, release)     # a response never sent (the client left first)
@@ -259,7 +288,7 @@ def ingress(settings: Settings, keys: dict[str, str]):
                                          headers={k: v for k, v in headers if k.lower() != "content-length"})
             self._leave(who, forwarded.choices)
             return refused_response(Refused(503, "the replicas that took this request died; try again",
-                                            "replica_lost"))
+                                            "replica_lost"), forwarded.path)
 
         async def rest(self, stream, headers, release):
             try:

@@ -29,6 +29,8 @@ from .stored import StoredResponses
 from .structured import Reply
 
 NOT_IMAGES = "image input is not supported: this server runs text models"
+#: The header naming a stored response in its answer (the Ray ingress routes its next turn by it).
+RESPONSE_HEADER = "x-swarmkv-response"
 
 
 class InputText(BaseModel):
@@ -274,6 +276,7 @@ class ResponsesShape:
                  turns: list[dict]):
         self.body, self.model, self.owner, self.store, self.turns = body, model, owner, store, turns
         self.id = f"resp_{uuid.uuid4().hex}"
+        self.headers = {RESPONSE_HEADER: self.id} if body.store and store is not None else None
         self.created = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.sequence = 0

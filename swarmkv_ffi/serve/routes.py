@@ -375,8 +375,9 @@ async def answer(request: Request, call: Call, shape):
     response (a client that leaves first cancels its choices). `shape` writes both, in
     its API's form (responses.Events, openai_responses, anthropic)."""
     call.start()
+    headers = getattr(shape, "headers", None)
     if call.body.stream:
-        return StreamingResponse(stream_events(call, shape), media_type="text/event-stream")
+        return StreamingResponse(stream_events(call, shape), media_type="text/event-stream", headers=headers)
     watcher = asyncio.create_task(watch_disconnect(request, call))
     try:
         async for _ in call.events():
@@ -386,7 +387,7 @@ async def answer(request: Request, call: Call, shape):
     failed = call.failure()
     if failed is not None:
         raise failed
-    return JSONResponse(shape.whole(call))
+    return JSONResponse(shape.whole(call), headers=headers)
 
 
 async def watch_disconnect(request: Request, call: Call) -> None:

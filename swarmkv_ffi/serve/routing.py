@@ -38,8 +38,13 @@ class PrefixRouter(RequestRouter):
         if pending_request is None or not candidate_replicas:
             return [candidate_replicas]
         text = str(getattr(pending_request.args[0], "prompt", "")) if pending_request.args else ""
+        pinned = getattr(pending_request.args[0], "replica", None) if pending_request.args else None
         by_id = {r.replica_id: r for r in candidate_replicas}
         least = min(candidate_replicas, key=lambda r: (self.in_flight[r.replica_id], self.held[r.replica_id]))
+        holder = next((r for r in candidate_replicas if r.replica_id.unique_id == pinned), None)
+        if holder is not None:          # it continues a stored response: only that replica has it
+            self._count(pending_request, holder.replica_id)
+            return [[holder], [r for r in candidate_replicas if r is not holder]]
         target = self._holder(text, by_id)
         if target is None or self.in_flight[target.replica_id] - self.in_flight[least.replica_id] > self.imbalance:
             target = least
