@@ -167,7 +167,7 @@ def test_previous_response_id_forks_the_stored_prefix_for_its_key_only(server):
     ("background", True), ("reasoning", {"effort": "high"}), ("include", ["file_search_call.results"]),
     ("truncation", "auto"), ("conversation", "conv_1"),
     ("input", [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]),
-    ("tools", [{"type": "web_search"}])])
+    ("tools", [{"type": "web_search"}]), ("keep_alive", "soon"), ("stop", ["a", "b", "c", "d", "e"])])
 def test_responses_fields_not_acted_on_are_refused_by_name(server, field, value):
     body = {"model": MODEL, "input": "Hi", "max_output_tokens": 4, field: value}
     answer = post(server, "/v1/responses", body)

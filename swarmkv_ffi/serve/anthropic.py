@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from .calls import Call, Choice
-from .errors import Refused, anthropic_error_body
+from .errors import Refused, anthropic_error_body, validated
 from .openai_responses import Unsupported
 from .responses import sse_event
 from .schemas import MAX_STOP, ChatRequest
@@ -224,7 +224,7 @@ def to_chat(body: CountTokensRequest, model: str) -> ChatRequest:
             raise Refused(400, "tool_choice: a choice of type 'tool' names the tool", None, "tool_choice.name")
         chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or \
             {"type": "function", "function": {"name": choice.name}}
-    return ChatRequest.model_validate(chat)
+    return validated(ChatRequest, chat)
 
 
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}

@@ -78,7 +78,17 @@ def validation_message(exc: ValidationError | RequestValidationError) -> tuple[s
 
 
 #: The names pydantic gives the forms of a field that takes several (not fields themselves).
-UNION_BRANCHES = {"body", "str", "unsupported", "function-after[_duration(), union[float,str,none]]"}
+UNION_BRANCHES = {"body", "str", "unsupported"}
+
+
+def validated(schema, data):
+    """`data` as the pydantic type `schema`, or a 400 naming the field at fault (coded
+    unsupported_parameter for a field the server refuses)."""
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        message, param = validation_message(exc)
+        raise Refused(400, message, "unsupported_parameter" if unsupported(exc) else None, param) from None
 
 
 def unsupported(exc: ValidationError) -> bool:

@@ -14,17 +14,16 @@ forks them.
 """
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
 from .calls import Call, Choice
-from .errors import Refused
+from .errors import Refused, validated
 from .responses import sse_event
-from .schemas import MAX_STOP, STRICT, ChatRequest
+from .schemas import STRICT, ChatRequest, FunctionDef, JsonObjectFormat, JsonSchemaSpec, TextFormat
 from .stored import StoredResponses
 from .structured import Reply
 
@@ -119,13 +118,9 @@ Item = Annotated[Union[Annotated[InputMessage, Tag("message")], Annotated[Functi
                        Annotated[Unsupported, Tag("unsupported")]], Discriminator(_item_kind)]
 
 
-class FunctionTool(BaseModel):
-    model_config = STRICT
+class FunctionTool(FunctionDef):
+    """A function tool: chat completions' function, flat, with its type."""
     type: Literal["function"]
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None          # always kept: arguments follow `parameters` exactly
 
 
 class NamedFunction(BaseModel):
@@ -134,29 +129,16 @@ class NamedFunction(BaseModel):
     name: str
 
 
-class TextFormatPlain(BaseModel):
-    model_config = STRICT
-    type: Literal["text"]
-
-
-class JsonObject(BaseModel):
-    model_config = STRICT
-    type: Literal["json_object"]
-
-
-class JsonSchema(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+class JsonSchema(JsonSchemaSpec):
+    """chat completions' json_schema, flat, with its type; the schema required."""
     type: Literal["json_schema"]
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     schema_: dict[str, Any] = Field(alias="schema")
-    description: str | None = None
-    strict: bool | None = None
 
 
 class TextConfig(BaseModel):
     model_config = STRICT
-    format: Union[TextFormatPlain, JsonObject, JsonSchema] = Field(
-        default_factory=lambda: TextFormatPlain(type="text"), discriminator="type")
+    format: Union[TextFormat, JsonObjectFormat, JsonSchema] = Field(
+        default_factory=lambda: TextFormat(type="text"), discriminator="type")
 
 
 class ResponsesRequest(BaseModel):
@@ -175,7 +157,7 @@ class ResponsesRequest(BaseModel):
     top_k: int = Field(0, ge=0)                          # llama-server's extras, as on chat completions
     min_p: float = Field(0.0, ge=0.0, lt=1.0)
     seed: int | None = None
-    stop: Union[str, list[str], None] = None             # llama-server's extra
+    stop: Union[str, list[str], None] = None             # llama-server's extra (checked as chat's)
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
@@ -192,13 +174,6 @@ class ResponsesRequest(BaseModel):
     def _nothing_included(cls, v):
         if v:
             raise ValueError(f"this server has nothing to include for {v[0]!r}")
-        return v
-
-    @field_validator("stop")
-    @classmethod
-    def _few_stops(cls, v):
-        if isinstance(v, list) and len(v) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences")
         return v
 
     def items(self) -> list:
@@ -246,12 +221,12 @@ def to_chat(body: ResponsesRequest, model: str, earlier: list[dict]) -> tuple[Ch
         chat["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
                                                                       "function": {"name": choice.name}}
     fmt = body.text.format if body.text is not None else None
-    if isinstance(fmt, JsonObject):
+    if isinstance(fmt, JsonObjectFormat):
         chat["response_format"] = {"type": "json_object"}
     elif isinstance(fmt, JsonSchema):
         spec = {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict}
         chat["response_format"] = {"type": "json_schema", "json_schema": spec}
-    return ChatRequest.model_validate(chat), turns
+    return validated(ChatRequest, chat), turns
 
 
 def answered(reply: Reply) -> list[dict]:
@@ -280,7 +255,6 @@ class ResponsesShape:
         self.created = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.sequence = 0
-        self.streamed = ""                 # text sent as output_text.delta so far
 
     # ---- the response object ----
 
@@ -359,7 +333,6 @@ class ResponsesShape:
     def piece(self, call: Call, choice: Choice, text: str):
         if call.structure.enveloped or not text:
             return
-        self.streamed += text
         yield self._event("response.output_text.delta", **self._text_item(), delta=text, logprobs=[])
 
     def ending(self, call: Call, choice: Choice):

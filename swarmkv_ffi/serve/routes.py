@@ -14,14 +14,13 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from .. import grammar
 from . import anthropic, openai_responses, structured, templates, volatile
 from .calls import Call
 from .engine import ServeEngine
 from .hosted import HostedModel
-from .errors import Refused, error_body, error_response, refused, unsupported, validation_message
+from .errors import Refused, error_response, refused, validated
 from .keys import OPEN, Keys, bearer, presented
 from .metrics import CONTENT_TYPE as METRICS_TYPE
 from .metrics import render as metrics_text
@@ -48,7 +47,7 @@ class Served:
     settings: Settings
     created: int = field(default_factory=lambda: int(time.time()))
     gates: dict[int, asyncio.Semaphore] = field(default_factory=dict)
-    stored: StoredResponses = None        # the Responses API's stored responses (from settings)
+    stored: StoredResponses = field(init=False)    # the Responses API's stored responses (from settings)
 
     def __post_init__(self):
         s = self.settings
@@ -118,7 +117,7 @@ async def chat(request: Request):
     s = served(request)
     async with s.preparing(who):
         body = await read_body(request, ChatRequest, s)
-    return await run_chat(request, who, body, lambda name, _turns: Events(ChatShape(name)))
+    return await run_chat(request, who, body, lambda name: Events(ChatShape(name)))
 
 
 async def responses(request: Request):
@@ -139,8 +138,7 @@ async def responses(request: Request):
     name = s.engine.resolve(body.model)
     chat_body, turns = openai_responses.to_chat(body, name, earlier)
     return await run_chat(request, who, chat_body,
-                          lambda name, turns_: openai_responses.ResponsesShape(body, name, who, s.stored, turns),
-                          turns)
+                          lambda name: openai_responses.ResponsesShape(body, name, who, s.stored, turns))
 
 
 async def stored_response(request: Request):
@@ -169,7 +167,7 @@ async def messages(request: Request):
     async with s.preparing(who):
         body = await read_body(request, anthropic.MessagesRequest, s)
     chat_body = anthropic.to_chat(body, s.engine.resolve(body.model))
-    return await run_chat(request, who, chat_body, lambda name, _turns: anthropic.MessagesShape(name))
+    return await run_chat(request, who, chat_body, lambda name: anthropic.MessagesShape(name))
 
 
 async def count_tokens(request: Request):
@@ -188,9 +186,9 @@ async def count_tokens(request: Request):
     return {"input_tokens": len(tokens)}
 
 
-async def run_chat(request: Request, who: int, body: ChatRequest, shape_for, turns=None):
+async def run_chat(request: Request, who: int, body: ChatRequest, shape_for):
     """Run a chat request of `who`'s (whichever API it came in as) and answer in the shape
-    shape_for(model id, turns) makes."""
+    shape_for(model id) makes."""
     s = served(request)
     name = s.engine.resolve(body.model)
     use = await s.engine.use(who, name, body.keep_alive)
@@ -204,7 +202,7 @@ async def run_chat(request: Request, who: int, body: ChatRequest, shape_for, tur
         use.release()
         raise
     s.engine.tally.asked(who, API_OF.get(request.url.path, "other"))
-    return await answer(request, call, shape_for(name, turns))
+    return await answer(request, call, shape_for(name))
 
 
 async def prepared_chat(hosted: HostedModel, body: ChatRequest, settings: Settings):
@@ -298,14 +296,11 @@ def parse_body(raw: bytes, schema):
         bad = bad_text(body)
         if bad is not None:
             raise Refused(400, f"{bad[0]}: the text {bad[1]}", "invalid_text", bad[0] or None)
-        return schema.model_validate(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise Refused(400, f"the body is not valid JSON: {exc}", "invalid_json") from None
     except RecursionError:
         raise Refused(400, "the body is nested too deeply to parse", "invalid_json") from None
-    except ValidationError as exc:
-        message, param = validation_message(exc)
-        raise Refused(400, message, "unsupported_parameter" if unsupported(exc) else None, param) from None
+    return validated(schema, body)
 
 
 def check_vocabulary(n_vocab: int, ids: dict[str, list[int]]) -> None:
