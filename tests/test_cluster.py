@@ -181,6 +181,20 @@ def test_routes_are_kept_apart_by_key_unless_keys_share_prefixes():
     assert route("key-a-0123456789", False).endswith(over("shared"))
 
 
+def test_a_stored_response_is_read_or_deleted_on_the_replica_that_holds_it():
+    """GET and DELETE /v1/responses/{id} name the stored response in the path, a next turn
+    in previous_response_id: the ingress routes all three to where it was made."""
+    import json as jsonlib
+
+    from swarmkv_ffi.serve.on_ray import Forwarded
+    auth = [("Authorization", "Bearer key-a-0123456789")]
+    for method in ("GET", "DELETE"):
+        assert Forwarded.of(method, "/v1/responses/resp_123", b"", auth, b"").continues == "resp_123"
+    turn = jsonlib.dumps({"input": "Go on", "previous_response_id": "resp_123"}).encode()
+    assert Forwarded.of("POST", "/v1/responses", b"", auth, turn).continues == "resp_123"
+    assert Forwarded.of("POST", "/v1/responses", b"", auth, b'{"input": "Hi"}').continues is None
+
+
 def test_the_responses_and_messages_apis_through_the_ingress(served):
     """Anthropic's client (its key as x-api-key) and the Responses API through the ingress;
     a turn continuing a stored response goes to the replica that holds it, and forks it."""
@@ -200,6 +214,11 @@ def test_the_responses_and_messages_apis_through_the_ingress(served):
                                                         input=question, max_output_tokens=4)
         assert raw.headers["x-swarmkv-replica"] == replica
         assert raw.parse().usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    import requests
+    auth = {"Authorization": f"Bearer {RAY_KEY}"}
+    got = requests.get(f"{server.url}/v1/responses/{first.id}", headers=auth, timeout=60)
+    assert got.status_code == 200 and got.json()["id"] == first.id
+    assert requests.delete(f"{server.url}/v1/responses/{first.id}", headers=auth, timeout=60).status_code == 200
 
 
 def test_the_ingress_checks_the_key_first_and_counts_its_quota_over_every_replica(served):

@@ -33,7 +33,7 @@ LAYERS: list[list[str]] = [
     ["conductor.agents", "conductor.access"],                           # the Conductor
     ["conductor.requests", "conductor.server"],                         # its two doors: requests, the socket
     ["serve", "serve.schemas", "serve.keys", "serve.text", "serve.routing", "serve.persist", "serve.templates",
-     "serve.guard", "serve.metrics", "serve.sizing", "serve.lineup", "serve.volatile", "serve.stored"],
+     "serve.guard", "serve.metrics", "serve.sizing", "serve.lineup", "serve.volatile", "serve.stored", "serve.telemetry"],
     ["serve.errors", "serve.settings", "serve.structured"],
     ["serve.hosted"],                                                   # one model: its pool, tier, size
     ["serve.loading"],                                                  # load on demand, unload when idle

@@ -311,3 +311,104 @@ def test_metrics_count_requests_by_api(server):
     after = counts()
     assert {api: after[api] - before[api] for api in after} == {"chat": 0, "completions": 0, "responses": 1,
                                                                 "messages": 2}
+
+
+# ---- what llama-server's own clients read (its suite, test_compat_*.py) -------------------------
+
+def sse_data(response: requests.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.iter_lines(decode_unicode=True)
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_llama_server_telemetry_on_a_responses_stream(templated):
+    """timings_per_token and return_progress, on the bare /responses route as llama-server's
+    clients call it: one prompt_progress event before the text, timings on every delta
+    and on the last event; the second same request reports its prompt from the cache (on
+    a server nothing else has used, so its pool still holds the first)."""
+    body = {"model": MODEL, "input": "Telemetry. " + DOC[700:950], "max_output_tokens": 6, "temperature": 0, "stream": True,
+            "timings_per_token": True, "return_progress": True}
+    runs = []
+    for _ in range(2):
+        with requests.post(templated.url + "/responses", json=body, stream=True, timeout=300) as answer:
+            assert answer.status_code == 200, answer.text
+            runs.append(sse_data(answer))
+    for events in runs:
+        progress = [e for e in events if "prompt_progress" in e]
+        deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+        last = events[-1]
+        assert len(progress) == 1 and progress[0]["type"] == "response.in_progress"
+        assert events.index(progress[0]) < events.index(deltas[0])
+        assert progress[0]["prompt_progress"]["total"] == last["response"]["usage"]["input_tokens"]
+        assert [d["timings"]["predicted_n"] for d in deltas] == sorted(d["timings"]["predicted_n"] for d in deltas)
+        assert last["timings"]["predicted_n"] == last["response"]["usage"]["output_tokens"]
+        assert last["timings"]["cache_n"] == last["response"]["usage"]["input_tokens_details"]["cached_tokens"]
+    first, second = (next(e for e in events if "prompt_progress" in e)["prompt_progress"] for events in runs)
+    assert second["cache"] > first["cache"] and second["processed"] == second["total"]
+
+
+def test_routes_answer_without_v1_as_llama_servers_do(server):
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    assert requests.get(server.url + "/models", headers=auth, timeout=30).json()["data"][0]["id"] == MODEL
+    assert requests.get(server.url + "/v1/health", timeout=30).status_code == 200
+    chat = post(server, "/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1
+
+
+#: A chat template that renders an assistant's reasoning, as thinking models' templates do.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>\n{% endif %}"
+    "{{ m.content }}{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def templated(tmp_path_factory):
+    """A server with --chat-template-file and the smallest pool llama-server's tests use."""
+    folder = tmp_path_factory.mktemp("templated")
+    (folder / "thinking.jinja").write_text(THINKING_TEMPLATE)
+    with Serve("--chat-template-file", str(folder / "thinking.jinja"), "--ctx-size", "256",
+               log=folder / "serve.log") as s:
+        yield s
+
+
+def test_apply_template_renders_reasoning_through_a_chat_template_file(templated):
+    messages = [{"role": "user", "content": "Fix the bug"},
+                {"role": "assistant", "content": "Done.", "reasoning_content": "Check main.py first."},
+                {"role": "user", "content": "Thanks"}]
+    got = post(templated, "/apply-template", {"messages": messages})
+    assert got.status_code == 200, got.text
+    assert got.json()["prompt"] == ("<|im_start|>user\nFix the bug<|im_end|>\n<|im_start|>assistant\n"
+                                    "<think>Check main.py first.</think>\nDone.<|im_end|>\n"
+                                    "<|im_start|>user\nThanks<|im_end|>\n<|im_start|>assistant\n")
+    wrong = post(templated, "/apply-template", {"messages": [{"role": "user", "content": "Hi",
+                                                              "reasoning_content": "no"}]})
+    assert wrong.status_code == 400 and "reasoning_content" in wrong.text
+
+
+def test_anthropic_thinking_blocks_reach_the_template(templated):
+    """An earlier turn's thinking block is that turn's reasoning_content: counted where the
+    template renders it (llama-server's test_anthropic_thinking_history_in_count_tokens)."""
+    def count(blocks: list) -> int:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Fix the bug"},
+                                             {"role": "assistant", "content": blocks},
+                                             {"role": "user", "content": "Go on"}]}
+        answer = requests.post(templated.url + "/v1/messages/count_tokens", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["input_tokens"]
+    said = {"type": "text", "text": "Looking."}
+    thought = {"type": "thinking", "thinking": "I should list the files first.", "signature": "x"}
+    assert count([thought, said]) > count([said])
+    redacted = {"type": "redacted_thinking", "data": "opaque"}
+    assert count([redacted, said]) == count([said])
+
+
+@pytest.mark.parametrize("text,said", [(None, "No such file"), ("{% for %}", "not a Jinja template")])
+def test_a_chat_template_file_that_cannot_be_used_is_refused_before_loading(tmp_path, text, said):
+    from swarmkv_ffi.serve.settings import Settings
+    path = tmp_path / "template.jinja"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ValueError, match=said) as info:
+        Settings(chat_template_file=path).check()
+    assert str(path) in str(info.value)

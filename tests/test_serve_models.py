@@ -61,3 +61,11 @@ def test_settings_refuse_a_model_twice_and_a_name_for_several():
     with pytest.raises(ValueError, match="--name"):
         Settings(models=(SMOL, GEMMA), name="assistant").check()
     Settings(models=(SMOL,), name="assistant").check()
+
+
+def test_settings_take_a_pool_as_small_as_llama_servers_tests_use():
+    Settings(models=(SMOL,), ctx_size=256).check()
+    with pytest.raises(ValueError, match="at least 128 cells"):
+        Settings(models=(SMOL,), ctx_size=100).check()
+    with pytest.raises(ValueError, match="--chat-template-file"):
+        Settings(models=(SMOL, GEMMA), chat_template_file=Path("t.jinja")).check()

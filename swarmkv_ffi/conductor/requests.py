@@ -64,6 +64,12 @@ class Request:
     def cancel(self) -> None:
         self._cancelled.set()
 
+    @property
+    def cached(self) -> int:
+        """Prompt tokens whose cells were forked, not decoded: known once it is seated
+        (before its first token), 0 until then."""
+        return self._run.cached
+
     def result(self) -> RequestResult:
         """Wait for the end; raises scheduler.Stopping (the conductor stopped first), a
         ConductorError (a request it cannot run) or what failed it."""

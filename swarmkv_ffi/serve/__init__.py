@@ -12,6 +12,7 @@ Lowest first (tests/test_layers.py holds the same order):
     guard.py      uvicorn's protocol with a deadline for a request's headers, an idle cap per address
     metrics.py    /metrics in Prometheus' format (prometheus-client): the operator's view, a key's own
     sizing.py     the pool's default --ctx-size (model, memory budget) and the host tier's --host-cache-mib
+    telemetry.py  llama-server's timings and prompt progress, for the clients that ask for them
     lineup.py     the models served, one ModelSpec per id: --model, --models-dir, --models-preset (TOML)
     errors.py     every failure as OpenAI's error JSON (Refused), for the app and on_ray
     settings.py   the server's settings and their flags, written once for every front

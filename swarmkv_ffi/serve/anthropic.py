@@ -68,8 +68,9 @@ class ToolResultBlock(BaseModel):
 
 
 class ThinkingBlock(BaseModel):
-    """An earlier answer's thinking, sent back: dropped from the prompt, as Anthropic drops
-    earlier turns' thinking from the context."""
+    """An earlier answer's thinking, sent back: the assistant message's reasoning_content,
+    which a thinking model's template renders where it belongs (and drops from earlier
+    turns, as Anthropic does) and other templates leave out, as llama-server does."""
     model_config = BLOCK
     type: Literal["thinking", "redacted_thinking"]
     thinking: str | None = None
@@ -183,7 +184,8 @@ def system_text(system) -> str | None:
 def conversation(body: CountTokensRequest) -> list[dict]:
     """The system prompt and messages as chat messages (OpenAI's dicts): tool_use blocks
     become the assistant's tool_calls, each tool_result a tool message (before the user's
-    own text, as Anthropic orders them); earlier thinking is dropped."""
+    own text, as Anthropic orders them); thinking blocks the assistant's reasoning_content
+    (redacted thinking, opaque, is dropped)."""
     text = system_text(body.system)
     out = [{"role": "system", "content": text}] if text else []
     for m in body.messages:
@@ -192,7 +194,9 @@ def conversation(body: CountTokensRequest) -> list[dict]:
         if m.role == "assistant":
             calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
                      for b in blocks if isinstance(b, ToolUseBlock)]
-            out.append({"role": "assistant", "content": said or None, **({"tool_calls": calls} if calls else {})})
+            thought = "".join(b.thinking or "" for b in blocks if isinstance(b, ThinkingBlock) and b.type == "thinking")
+            out.append({"role": "assistant", "content": said or None, **({"tool_calls": calls} if calls else {}),
+                        **({"reasoning_content": thought} if thought else {})})
             continue
         out += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
                 for b in blocks if isinstance(b, ToolResultBlock)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 from .engine import Job, ServeEngine
 from .errors import refused
@@ -26,6 +27,9 @@ class Choice:
         self.logprobs: list[TokenLogprob] = []
         self.logprobs_sent = 0            # entries already streamed
         self.result, self.error = None, None
+        self.job: Job | None = None
+        self.n_tokens, self.first_at = 0, None   # tokens so far, when the first came (telemetry.py)
+        self.progressed = False           # its prompt_progress event has been sent
 
     def finish_reason(self, reply=None) -> str:
         if reply is not None and reply.tool_calls:
@@ -51,6 +55,7 @@ class Call:
         self.jobs: list[Job] = []
         self._left = 0                    # choices not ended
         self._lock = threading.Lock()
+        self.started = time.perf_counter()
 
     def start(self) -> None:
         """Admit every choice (or refuse the request whole) and start them."""
@@ -67,6 +72,7 @@ class Call:
                 job = Job(self.hosted, self.owner, tokens, self.max_tokens, self._on_token(choice),
                           sampling=self.body.settings(k, self.max_tokens), top_logprobs=self.body.ranked(),
                           grammar=self.structure.grammar)
+                choice.job = job
                 self.choices.append(choice)
                 self.jobs.append(job)
                 threading.Thread(target=self._run, args=(choice, job), daemon=True,
@@ -78,6 +84,9 @@ class Call:
         stream = self.body.stream
 
         def on_token(token: int, ranked) -> bool:
+            if choice.first_at is None:
+                choice.first_at = time.perf_counter()
+            choice.n_tokens += 1
             piece = choice.text.feed(token)
             if ranked is not None:
                 choice.logprobs.append(self._logprob_entry(token, ranked))

@@ -22,7 +22,7 @@ from ..conductor.agents import Conductor
 from ..conductor.ledger import Ledger
 from ..conductor.memory import DeviceMemory
 from ..conductor.policy import Policy
-from ..conductor.requests import RequestResult
+from ..conductor.requests import Request, RequestResult
 from ..prefix_cache import PrefixCache
 from .errors import Refused, refused
 from . import sizing
@@ -49,6 +49,7 @@ class Job:
     grammar: str | None = None         # the output follows it (grammar.py)
     cancelled: threading.Event = field(default_factory=threading.Event)   # the client left
     stopped: bool = False              # cancelled because the server stops (engine.drain)
+    request: Request | None = None     # once submitted: how much of the prompt was cached
 
 
 class ServeEngine:
@@ -164,9 +165,10 @@ class ServeEngine:
         with self._lock:
             self._job_of[id(job)] = job
         try:
-            result = job.model.pool.submit(job.owner, job.tokens, job.max_tokens, sampling=job.sampling,
-                                 top_logprobs=job.top_logprobs, on_token=job.on_token,
-                                 cancelled=job.cancelled, grammar=job.grammar).result()
+            job.request = job.model.pool.submit(job.owner, job.tokens, job.max_tokens, sampling=job.sampling,
+                                                top_logprobs=job.top_logprobs, on_token=job.on_token,
+                                                cancelled=job.cancelled, grammar=job.grammar)
+            result = job.request.result()
         except Exception as exc:
             raise refused(exc) from None
         finally:

@@ -27,13 +27,15 @@ from .settings import Settings
 @dataclasses.dataclass
 class HostedModel:
     """`name` (the id clients send) served from `pool`; `cells`: its size, `sized`: why
-    (None when --ctx-size gave it); `host_tier`: its evicted prefixes, or None."""
+    (None when --ctx-size gave it); `host_tier`: its evicted prefixes, or None;
+    `chat_template`: --chat-template-file's template, None for the model's own."""
     name: str
     pool: RequestPool
     cells: int
     sized: sizing.Size | None
     host_tier: HostTier | None
     default_max_tokens: int
+    chat_template: str | None = None
 
     @classmethod
     def open(cls, conductor: Conductor, spec: ModelSpec, settings: Settings,
@@ -48,12 +50,18 @@ class HostedModel:
         pool = RequestPool(conductor, spec.model, cells=cells, seqs=spec.parallel, exact=spec.exact,
                            share=settings.share_prefixes, store=tier or disk)
         templates.longest_token(pool.model)      # its vocabulary read now, not by the first request
-        return cls(spec.name, pool, cells, sized, tier, settings.default_max_tokens)
+        template = templates.read_file(settings.chat_template_file) if settings.chat_template_file else None
+        return cls(spec.name, pool, cells, sized, tier, settings.default_max_tokens, template)
 
     @property
     def model(self):
         """The loaded Model (tokenizer, chat template, token bytes)."""
         return self.pool.model
+
+    @property
+    def knows_tools(self) -> bool:
+        """Does its chat template render tool calls itself?"""
+        return templates.model_knows_tools(self.model, self.chat_template)
 
     @property
     def longest_token(self) -> int:

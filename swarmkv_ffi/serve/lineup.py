@@ -38,6 +38,9 @@ FOREVER = math.inf
 _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNIT = {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600}
 
+#: The fewest KV cells a pool may have (llama-server's own tests run with 256).
+MIN_CELLS = 128
+
 
 def keep_alive_seconds(value: str | int | float) -> float:
     """Ollama's keep_alive: seconds as a number, or a duration ("500ms", "30s", "5m",
@@ -140,8 +143,8 @@ def check(specs: list[ModelSpec]) -> None:
         if spec.name in seen:
             raise ValueError(f"the model id `{spec.name}` is given twice")
         seen[spec.name] = spec
-        if spec.ctx_size is not None and spec.ctx_size < 512:
-            raise ValueError(f"{spec.name}: ctx_size must be at least 512 cells, got {spec.ctx_size}")
+        if spec.ctx_size is not None and spec.ctx_size < MIN_CELLS:
+            raise ValueError(f"{spec.name}: ctx_size must be at least {MIN_CELLS} cells, got {spec.ctx_size}")
         if not 2 <= spec.parallel <= MAX_SEQS - 1:
             raise ValueError(f"{spec.name}: parallel must be in 2..{MAX_SEQS - 1}, got {spec.parallel}")
     for group in pools(specs):

@@ -75,6 +75,8 @@ class Forwarded:
             key = presented({k.lower(): v for k, v in headers}) or ""
             text = hashlib.blake2b(key.encode(), digest_size=8).hexdigest() + "\n" + text
         continues = parsed.get("previous_response_id")
+        stored = path.rstrip("/").rpartition("/responses/")[2] if "/responses/" in path else None
+        continues = stored or continues       # GET or DELETE of a stored response: to its replica
         return cls(method, path, query, headers, body, text, choices_of(parsed),
                    continues if isinstance(continues, str) else None)
 
@@ -221,10 +223,11 @@ def ingress(settings: Settings, keys: dict[str, str]):
             self.running: dict[int, int] = {}       # owner -> choices in flight, on every replica
             self.made: OrderedDict[tuple[int | None, str], str] = OrderedDict()   # (owner, response id) -> replica
 
-        @api.api_route("/{path:path}", methods=["GET", "POST"])
+        @api.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
         async def forward(self, request: Request, path: str):
-            who = self.keys.owner(presented(request.headers)) if path != "health" else None
-            if who is None and path != "health":
+            public = path in ("health", "v1/health")
+            who = self.keys.owner(presented(request.headers)) if not public else None
+            if who is None and not public:
                 return refused_response(Refused(401, "Incorrect API key provided", "invalid_api_key"))
             try:
                 async with asyncio.timeout(settings.read_timeout):

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
+from . import telemetry
 from .calls import Call, Choice
 from .errors import Refused, validated
 from .responses import sse_event
@@ -168,6 +169,8 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None                  # every prefix is cached anyway, per key
     keep_alive: Union[float, str, None] = None           # Ollama's, as on chat completions
+    timings_per_token: bool = False                      # llama-server's telemetry (telemetry.py)
+    return_progress: bool = False
 
     @field_validator("include")
     @classmethod
@@ -331,9 +334,17 @@ class ResponsesShape:
             yield self._event("response.content_part.added", **self._text_item(), part=self._part(""))
 
     def piece(self, call: Call, choice: Choice, text: str):
+        if self.body.return_progress and not choice.progressed:
+            choice.progressed = True
+            yield self._event("response.in_progress", response=self._response(call, "in_progress", [], None),
+                              prompt_progress=telemetry.progress(call, choice), **self._timings(call, choice))
         if call.structure.enveloped or not text:
             return
-        yield self._event("response.output_text.delta", **self._text_item(), delta=text, logprobs=[])
+        yield self._event("response.output_text.delta", **self._text_item(), delta=text, logprobs=[],
+                          **self._timings(call, choice))
+
+    def _timings(self, call: Call, choice: Choice) -> dict:
+        return {"timings": telemetry.timings(call, choice)} if self.body.timings_per_token else {}
 
     def ending(self, call: Call, choice: Choice):
         response, status = self._final(call)
@@ -345,7 +356,7 @@ class ResponsesShape:
         else:
             for index, item in enumerate(response["output"]):
                 yield from self._streamed_item(index, item)
-        yield self._event(f"response.{status}", response=response)
+        yield self._event(f"response.{status}", response=response, timings=telemetry.timings(call, choice))
 
     def _streamed_item(self, index: int, item: dict):
         """One output item of a tool-call-form answer, read whole: opened, its text or

@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -32,7 +33,8 @@ from .stored import StoredResponses
 
 
 #: The API each POST route speaks, as /metrics counts requests.
-API_OF = {"/v1/chat/completions": "chat", "/v1/responses": "responses", "/v1/messages": "messages"}
+API_OF = {"/v1/chat/completions": "chat", "/chat/completions": "chat", "/v1/responses": "responses",
+          "/responses": "responses", "/v1/messages": "messages"}
 
 
 #: Requests of one key read, parsed and tokenized at once (Served.preparing).
@@ -186,6 +188,23 @@ async def count_tokens(request: Request):
     return {"input_tokens": len(tokens)}
 
 
+async def apply_template(request: Request):
+    """llama-server's POST /apply-template: the prompt a chat request's messages make, as
+    text (nothing runs)."""
+    who = owner_of(request)
+    s = served(request)
+    async with s.preparing(who):
+        body = await read_body(request, ChatRequest, s)
+    use = await s.engine.use(who, s.engine.resolve(body.model), None)
+    try:
+        structure = structured.plan(body, parallel_default=use.hosted.knows_tools)
+        async with s.preparing(who):
+            prompt = await asyncio.to_thread(chat_prompt, use.hosted, body, structure, s.settings.keep_billing_header)
+    finally:
+        use.release()
+    return {"prompt": prompt}
+
+
 async def run_chat(request: Request, who: int, body: ChatRequest, shape_for):
     """Run a chat request of `who`'s (whichever API it came in as) and answer in the shape
     shape_for(model id) makes."""
@@ -207,7 +226,7 @@ async def run_chat(request: Request, who: int, body: ChatRequest, shape_for):
 
 async def prepared_chat(hosted: HostedModel, body: ChatRequest, settings: Settings):
     """(the prompt's tokens, its Structure): planned here, tokenized on a worker thread."""
-    structure = structured.plan(body, parallel_default=templates.model_knows_tools(hosted.model))
+    structure = structured.plan(body, parallel_default=hosted.knows_tools)
     tokens = await asyncio.to_thread(chat_tokens, hosted, body, structure, settings.keep_billing_header)
     return tokens, structure
 
@@ -319,14 +338,36 @@ def chat_tokens(hosted: HostedModel, body: ChatRequest, structure: structured.St
     vocabulary. Off the event loop: a body of megabytes takes a while."""
     model = hosted.model
     check_vocabulary(model.n_vocab, body.vocabulary_ids())
+    messages = chat_messages(hosted, body, structure, keep_billing_header)
+    check_grammar(model, structure)
+    with template_errors():
+        return templates.tokens(model, messages, structure.tools, hosted.chat_template)
+
+
+def chat_prompt(hosted: HostedModel, body: ChatRequest, structure: structured.Structure,
+                keep_billing_header: bool = False) -> str:
+    """The text chat_tokens() tokenizes (llama-server's /apply-template)."""
+    messages = chat_messages(hosted, body, structure, keep_billing_header)
+    with template_errors():
+        return templates.render(hosted.model, messages, structure.tools, template=hosted.chat_template)
+
+
+def chat_messages(hosted: HostedModel, body: ChatRequest, structure: structured.Structure,
+                  keep_billing_header: bool) -> list[dict]:
+    """The messages the template renders, their length checked against the context."""
     said = [m.for_template() for m in body.messages]
     if not keep_billing_header:
         said = volatile.steady(said)
-    messages = structure.messages(said, templates.model_knows_tools(model))
+    messages = structure.messages(said, hosted.knows_tools)
     check_length(hosted, sum(len(t) for t in templates.message_texts(messages)), "messages")
-    check_grammar(model, structure)
+    return messages
+
+
+@contextmanager
+def template_errors():
+    """A template that cannot render the messages: 400 naming them."""
     try:
-        return templates.tokens(model, messages, structure.tools)
+        yield
     except templates.TemplateError as exc:
         raise Refused(400, str(exc), "invalid_request_error", "messages") from None
 

@@ -83,17 +83,22 @@ class ToolCallIn(BaseModel):
 
 class Message(BaseModel):
     """A message the chat template renders (templates.py): role and text, an assistant's
-    tool calls, a tool's result (role "tool", with the call's id)."""
+    tool calls and reasoning (llama-server's `reasoning_content`: a thinking model's
+    template renders it, others leave it out), a tool's result (role "tool", with the
+    call's id)."""
     model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _tool_fields_in_place(self):
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only an assistant message has tool_calls")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has reasoning_content")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("a tool message, and only one, has a tool_call_id")
         return self
@@ -109,6 +114,8 @@ class Message(BaseModel):
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .. import catalog
 from ..conductor.requests import MAX_SEQS
-from . import lineup
+from . import lineup, templates
 from .keys import OPEN, Keys
 
 
@@ -47,6 +47,7 @@ class Settings:
     stored_responses_mib: int = 64           # ... and their text, per key
     stored_responses_ttl: float = 3600.0     # seconds unused before one is forgotten
     keep_billing_header: bool = False        # keep a system prompt's billing header (volatile.py)
+    chat_template_file: Path | None = None   # a Jinja chat template instead of the model's own
 
     @property
     def served_names(self) -> str:
@@ -80,8 +81,8 @@ class Settings:
                 lineup.keep_alive_seconds(self.keep_alive)
             except ValueError as exc:
                 raise ValueError(f"--keep-alive: {exc}") from None
-        if self.ctx_size is not None and self.ctx_size < 512:
-            raise ValueError(f"--ctx-size must be at least 512 cells, got {self.ctx_size}")
+        if self.ctx_size is not None and self.ctx_size < lineup.MIN_CELLS:
+            raise ValueError(f"--ctx-size must be at least {lineup.MIN_CELLS} cells, got {self.ctx_size}")
         if not 2 <= self.parallel <= MAX_SEQS - 1:
             raise ValueError(f"--parallel must be in 2..{MAX_SEQS - 1}, got {self.parallel}")
         if self.default_max_tokens < 1 or self.max_requests < 1 or (self.max_requests_per_key or 1) < 1:
@@ -97,6 +98,11 @@ class Settings:
             raise ValueError("--read-timeout must be in (0, 3600] seconds and "
                              "--idle-connections-per-address at least 1")
         lineup.check(self.specs())
+        if self.chat_template_file is not None:
+            if len(self.specs()) > 1:
+                raise ValueError("--chat-template-file replaces a single model's template; with several "
+                                 "models, give each a GGUF with the template it needs")
+            templates.read_file(self.chat_template_file)
 
     def per_key(self, n_keys: int) -> int:
         """Choices one key may have running or queued: as set, else all of --max-requests
@@ -218,6 +224,9 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
          help="keep a billing header line (x-anthropic-billing-header: ...; cch=...;) at the top of a "
               "system prompt; by default it is dropped before templating, since its value changes on "
               "every request and would defeat the prefix cache (docs/serve.md)")
+    flag("chat-template-file", type=Path, default=d.chat_template_file, metavar="FILE",
+         help="a Jinja chat template to render the model's chats with instead of the one in its GGUF "
+              "(as llama-server's flag; one model only)")
     flag("idle-connections-per-address", type=int, default=d.idle_connections_per_address, metavar="N",
          help="connections one client address may hold open without a request; a newer one closes "
               "its oldest (default: %(default)s)")

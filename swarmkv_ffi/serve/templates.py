@@ -36,18 +36,20 @@ class TemplateError(ValueError):
     """The conversation cannot be rendered (the template raised, or rejects its shape)."""
 
 
-def tokens(model, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def tokens(model, messages: list[dict], tools: list[dict] | None = None, template: str | None = None) -> list[int]:
     """The prompt for `messages` as tokens, a control token's text in a message kept as
     text. When no message holds one (nearly always) this is the rendered text tokenized
     with special tokens parsed, as llama-server does; else the text is rendered with each
     message's text between markers only this call knows, and split at the control tokens
-    outside them, each piece tokenized as text (llama.cpp splits at the same places)."""
+    outside them, each piece tokenized as text (llama.cpp splits at the same places).
+    `template`: a template's source to use instead of the model's own."""
     controls = control_tokens(model)
     if controls is None or not any(controls[0].search(t) for t in message_texts(messages)):
-        return [int(t) for t in model.tokenize(render(model, messages, tools), add_special=True, parse_special=True)]
+        return [int(t) for t in model.tokenize(render(model, messages, tools, template=template),
+                                               add_special=True, parse_special=True)]
     nonce = secrets.token_hex(8)
     opening, closing = f"q{nonce}o", f"q{nonce}c"
-    marked = render(model, messages, tools, mark=lambda text: opening + text + closing)
+    marked = render(model, messages, tools, mark=lambda text: opening + text + closing, template=template)
     out = [model.bos] if model.add_bos and model.bos >= 0 else []
     for text, control in _split(marked, opening, closing, controls[0]):
         if text:
@@ -82,10 +84,12 @@ def _split(marked: str, opening: str, closing: str, pattern: re.Pattern) -> list
 
 
 def message_texts(messages: list[dict]):
-    """The text the messages carry: contents and tool calls' arguments."""
+    """The text the messages carry: contents, reasoning and tool calls' arguments."""
     for m in messages:
         if isinstance(m.get("content"), str):
             yield m["content"]
+        if m.get("reasoning_content"):
+            yield m["reasoning_content"]
         for call in m.get("tool_calls") or []:
             yield call["function"]["arguments"]
 
@@ -125,10 +129,12 @@ def longest_token(model) -> int:
     return _vocabulary(model)[1]
 
 
-def render(model, messages: list[dict], tools: list[dict] | None = None, mark=None) -> str:
+def render(model, messages: list[dict], tools: list[dict] | None = None, mark=None,
+           template: str | None = None) -> str:
     """The prompt for `messages` (OpenAI's dicts), ending with the assistant's opener;
-    mark(text), if given, wraps each message's text (tokens())."""
-    source = model.meta("tokenizer.chat_template")
+    mark(text), if given, wraps each message's text (tokens()); `template`: a template's
+    source instead of the model's own (--chat-template-file)."""
+    source = template or model.meta("tokenizer.chat_template")
     template = _compiled(source) if source else None
     if template is None or not knows_tools(source):
         messages = plain_messages(messages)
@@ -151,8 +157,20 @@ def knows_tools(source: str | None) -> bool:
     return bool(source) and "tool_calls" in source
 
 
-def model_knows_tools(model) -> bool:
-    return knows_tools(model.meta("tokenizer.chat_template"))
+def model_knows_tools(model, template: str | None = None) -> bool:
+    return knows_tools(template or model.meta("tokenizer.chat_template"))
+
+
+def read_file(path) -> str:
+    """A chat template file's text (--chat-template-file), or a ValueError saying why it
+    cannot be used: unreadable, not UTF-8, or not a template jinja2 compiles."""
+    try:
+        source = open(path, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template-file {path}: {exc}") from None
+    if _compiled(source) is None:
+        raise ValueError(f"--chat-template-file {path}: not a Jinja template jinja2 can compile")
+    return source
 
 
 def plain_messages(messages: list[dict]) -> list[dict]:
@@ -168,7 +186,8 @@ def plain_messages(messages: list[dict]) -> list[dict]:
                      for c in m["tool_calls"]]
             out.append({"role": "assistant", "content": json.dumps({"tool_calls": calls})})
         else:
-            out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"] or ""})
+            out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"] or "",
+                        **({"reasoning_content": m["reasoning_content"]} if m.get("reasoning_content") else {})})
     return out
 
 
@@ -176,6 +195,8 @@ def _marked(message: dict, mark) -> dict:
     out = dict(message)
     if isinstance(message.get("content"), str) and message["content"]:
         out["content"] = mark(message["content"])
+    if message.get("reasoning_content"):
+        out["reasoning_content"] = mark(message["reasoning_content"])
     if message.get("tool_calls"):
         out["tool_calls"] = [dict(c, function=dict(c["function"], arguments=mark(c["function"]["arguments"])))
                              for c in message["tool_calls"]]

@@ -1,0 +1,45 @@
+"""llama-server's own telemetry, for clients written against it.
+
+`timings_per_token` asks for a `timings` object on every streamed event, and the final
+answer carries one anyway; `return_progress` asks for a `prompt_progress` event while the
+prompt is read. Their fields are llama-server's (tools/server/server-common.cpp). Ours are
+measured from the request's start, so prompt_ms includes time spent waiting for a seat;
+the engine reads a prompt in one go per request as far as the client can tell, so
+progress comes once, when the prompt has been read, with the tokens forked from the cache
+(`cache`) apart from those decoded.
+"""
+from __future__ import annotations
+
+import time
+
+
+def _rate(n: int, ms: float) -> float:
+    return 1e3 * n / ms if ms > 0 else 0.0
+
+
+def timings(call, choice) -> dict:
+    """llama-server's `timings` of one choice so far."""
+    now = time.perf_counter()
+    first = choice.first_at or now
+    cached = cached_tokens(choice)
+    prompt_n = len(call.prompts[choice.index // call.body.n]) - cached
+    prompt_ms = 1e3 * (first - call.started)
+    predicted_ms = 1e3 * (now - first)
+    return {"cache_n": cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+            "prompt_per_second": _rate(prompt_n, prompt_ms),
+            "predicted_n": choice.n_tokens, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / choice.n_tokens if choice.n_tokens else 0.0,
+            "predicted_per_second": _rate(choice.n_tokens, predicted_ms)}
+
+
+def progress(call, choice) -> dict:
+    """llama-server's `prompt_progress` once the choice's prompt has been read."""
+    total = len(call.prompts[choice.index // call.body.n])
+    return {"total": total, "cache": cached_tokens(choice), "processed": total,
+            "time_ms": 1e3 * ((choice.first_at or time.perf_counter()) - call.started)}
+
+
+def cached_tokens(choice) -> int:
+    request = choice.job.request if choice.job is not None else None
+    return request.cached if request is not None else 0
