@@ -431,6 +431,7 @@ BENCHMARKS = {
                        "structured"),
     "frameworks": ("frameworks", "LangChain, LangGraph and the OpenAI Agents SDK against ours and llama-server --jinja"),
     "grammar": ("grammar", "llguidance vs xgrammar on our vocabulary: compile, mask per token, fidelity"),
+    "llama-suite": ("llama_suite", "llama.cpp's own server tests, unmodified, against llama-server and ours"),
 }
 
 

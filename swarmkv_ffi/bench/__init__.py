@@ -13,4 +13,5 @@ into one output folder; tests never assert timings.
     serve_keys.py   `bench serve --scenarios keys`: two API keys on one server, one attacking
     serve_scale.py  `bench serve --scenarios scale`: 16..256 agents at once on the defaults
     frameworks.py grammar.py   agent frameworks against both servers; llguidance vs xgrammar
+    llama_suite.py  llama.cpp's own server tests, unmodified, against llama-server and ours
 """
