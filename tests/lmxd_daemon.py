@@ -13,8 +13,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from swarmkv_ffi.conductor import protocol
-from swarmkv_ffi.conductor.client import LmxClient
+from swarmkv_ffi.lmxd import protocol
+from swarmkv_ffi.lmxd.client import LmxClient
 from swarmkv_ffi.errors import SwarmKVError
 
 SYSTEM_PYTHON = "/usr/bin/python3"  # readable by other users, unlike a venv under /root

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from lmxd_daemon import SYSTEM_PYTHON, Daemon, become, wait_decoding
-from swarmkv_ffi.conductor import protocol
-from swarmkv_ffi.conductor.client import LmxError
+from swarmkv_ffi.lmxd import protocol
+from swarmkv_ffi.lmxd.client import LmxError
 
 pytestmark = pytest.mark.timeout(600)
 

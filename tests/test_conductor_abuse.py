@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from swarmkv_ffi import catalog
-from swarmkv_ffi.conductor import protocol
+from swarmkv_ffi.lmxd import protocol
 from lmxd_daemon import Daemon, eventually, wait_decoding
 
 pytestmark = pytest.mark.timeout(600)

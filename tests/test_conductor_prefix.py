@@ -13,9 +13,9 @@ import pytest
 from corpus import LICENCE
 from lmxd_daemon import Daemon
 from swarmkv_ffi.bench.measure import at_once
-from swarmkv_ffi.conductor.access import Access
+from swarmkv_ffi.lmxd.access import Access
 from swarmkv_ffi.conductor.agents import ConductorError
-from swarmkv_ffi.conductor.client import LmxError
+from swarmkv_ffi.lmxd.client import LmxError
 from swarmkv_ffi.errors import SwarmKVError
 
 pytestmark = pytest.mark.timeout(900)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from lmxd_daemon import Daemon, outside_body
-from swarmkv_ffi.conductor.protocol import read_reply
+from swarmkv_ffi.lmxd.protocol import read_reply
 
 pytestmark = [pytest.mark.skipif(os.environ.get("SWARMKV_SOAK") != "1", reason="set SWARMKV_SOAK=1 to run"),
               pytest.mark.timeout(3600)]

@@ -24,14 +24,16 @@ LAYERS: list[list[str]] = [
     ["_owned", "model", "batch", "exact", "context", "sampler", "arena", "fattn", "shaped_gguf"],   # the binding
     ["catalog", "snapshot", "prefix_cache", "generate", "probe", "grammar"],   # models, KV state, one answer
     ["fanout", "fanout.*", "distributed"],                              # the fan-out, and on Ray
-    ["conductor", "conductor.protocol", "conductor.lines", "conductor.quotas", "conductor.policy",
-     "conductor.kept", "conductor.common_prompts", "conductor.ledger", "conductor.memory",
-     "conductor.modelfile", "conductor.registry", "conductor.estimate", "conductor.sandbox", "conductor.tiers",
-     "conductor.client"],                                               # the conductor's parts
+    ["conductor.quotas", "conductor.policy", "conductor.kept", "conductor.common_prompts", "conductor.ledger",
+     "conductor.memory", "conductor.modelfile", "conductor.registry", "conductor.estimate", "conductor.sandbox",
+     "conductor.tiers"],                                                # the conductor's parts
     ["conductor.pool"],                                                 # a model's shared context
     ["conductor.scheduler"],                                            # the batched steps
-    ["conductor.agents", "conductor.access"],                           # the Conductor
-    ["conductor.requests", "conductor.server"],                         # its two doors: requests, the socket
+    ["conductor.agents"],                                               # the Conductor
+    ["conductor.requests"],                                             # request pools
+    ["conductor"],                                                      # the engine's door
+    ["lmxd.protocol", "lmxd.lines", "lmxd.client"],                     # lmxd's front: the line protocol
+    ["lmxd.access", "lmxd.server"],                                     # ... the socket server
     ["serve", "serve.schemas", "serve.keys", "serve.text", "serve.routing", "serve.persist", "serve.templates",
      "serve.guard", "serve.metrics", "serve.sizing", "serve.lineup", "serve.volatile", "serve.stored", "serve.telemetry"],
     ["serve.errors", "serve.settings", "serve.structured"],
@@ -46,7 +48,7 @@ LAYERS: list[list[str]] = [
     ["serve.app"],
     ["serve.http", "serve.on_ray"],
     ["serve.cli"],
-    ["lmxd", "cli", "bench", "bench.*"],                                # the programs
+    ["lmxd", "lmxd.__main__", "cli", "bench", "bench.*"],             # the programs
 ]
 
 
@@ -116,6 +118,18 @@ def test_no_module_imports_from_a_higher_layer(graph):
     assert not upward, "\n".join(upward)
 
 
+#: The engine's fronts: they reach it through its door (swarmkv_ffi.conductor) alone.
+FRONTS = ("lmxd", "serve", "bench")
+
+
+def test_the_fronts_import_only_the_engines_door(graph):
+    """lmxd, serve/ and the benchmarks use the conductor through the names its __init__
+    exports, never one of its modules: the engine's insides can move without them."""
+    inside = [f"{name} imports {dep}" for name, deps in sorted(graph.items())
+              if name.split(".")[0] in FRONTS for dep in sorted(deps) if dep.startswith("conductor.")]
+    assert not inside, "import these from swarmkv_ffi.conductor (add them to its __all__):\n" + "\n".join(inside)
+
+
 def test_no_circle(graph):
     circle = find_circle(graph)
     assert circle is None, " -> ".join(circle)
@@ -150,6 +164,6 @@ def test_the_scan_sees_what_it_must(tmp_path):
     fake = tmp_path / "probe.py"
     fake.write_text("def start_http():\n    from ..serve.http import Front\n")
     deps = imports("conductor.probe", fake, False, modules())
-    assert deps == {"serve.http"} and layer_of("serve.http") > layer_of("conductor.server")
+    assert deps == {"serve.http"} and layer_of("serve.http") > layer_of("conductor.agents")
     assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_circle({"a": {"b"}, "b": set()}) is None

@@ -11,8 +11,8 @@ import random
 import pytest
 
 from lmxd_daemon import Daemon
-from swarmkv_ffi.conductor import protocol
-from swarmkv_ffi.conductor.protocol import read_reply
+from swarmkv_ffi.lmxd import protocol
+from swarmkv_ffi.lmxd.protocol import read_reply
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -18,7 +18,7 @@ import pytest
 from corpus import LICENCE
 from lmxd_daemon import SYSTEM_PYTHON, Daemon, as_user, become, eventually, shared_tmp, wait_decoding
 from swarmkv_ffi import catalog, tiny_gguf
-from swarmkv_ffi.conductor.protocol import read_reply
+from swarmkv_ffi.lmxd.protocol import read_reply
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(os.getuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),

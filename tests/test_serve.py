@@ -310,7 +310,7 @@ def test_lmxd_http_serves_beside_the_socket_on_one_engine(tmp_path):
 
     from lmxd_daemon import Daemon
     from swarmkv_ffi.bench.peer import free_port
-    from swarmkv_ffi.conductor.client import LmxError
+    from swarmkv_ffi.lmxd.client import LmxError
     port = free_port()
     with Daemon(tmp_path, "--http", f"127.0.0.1:{port}", "--http-ctx-size", "4096", "--http-exact") as d:
         with request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:

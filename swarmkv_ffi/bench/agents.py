@@ -44,7 +44,7 @@ def prompts(n: int) -> list[str]:
 def lmxd_run(args, texts: list[str], models: list[str] | None = None, rounds: int = 1) -> dict:
     """Register an agent per text (agent i of models[i], default --model), then send
     their DECODEs at once, one connection each, `rounds` times."""
-    from ..conductor.client import LmxClient
+    from ..lmxd.client import LmxClient
     models = models or [args.model] * len(texts)
     tmp = Path(tempfile.mkdtemp(prefix="lmxd-agents-"))
     sock = tmp / "lmx.sock"

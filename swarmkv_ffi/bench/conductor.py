@@ -61,7 +61,7 @@ def swap_vs_prefill(model: Model, history: int, repeats: int) -> dict:
 
 
 def status_latency(model_name: str, clients: int, seconds: float, decoders: int) -> dict:
-    from ..conductor.client import LmxClient
+    from ..lmxd.client import LmxClient
     tmp = Path(tempfile.mkdtemp(prefix="lmxd-bench-"))
     sock = tmp / "lmx.sock"
     proc = start_lmxd(sock)

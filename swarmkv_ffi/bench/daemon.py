@@ -11,7 +11,7 @@ from pathlib import Path
 def start_lmxd(sock: Path, *flags: str, log: Path | None = None, timeout: float = 60) -> subprocess.Popen:
     """`lmxd --socket SOCK FLAGS…` in a child process, returned once a client can connect;
     its log goes to `log` (or nowhere). A daemon that exits first is an error with its log."""
-    from ..conductor.client import LmxClient
+    from ..lmxd.client import LmxClient
     from ..errors import SwarmKVError
     out = open(log, "w") if log else subprocess.DEVNULL
     proc = subprocess.Popen([sys.executable, "-m", "swarmkv_ffi.lmxd", "--socket", str(sock), *flags],

@@ -254,7 +254,7 @@ class PoolWatch:
     against its agents' n_ctx plus one largest n_ctx per pool, the slack pool.py allows."""
 
     def __init__(self, sock: Path):
-        from ..conductor.client import LmxClient
+        from ..lmxd.client import LmxClient
         self._client, self._stop = LmxClient(str(sock), timeout=30), threading.Event()
         self.samples: list[dict] = []
         self._thread = threading.Thread(target=self._run, daemon=True)

@@ -26,9 +26,7 @@ POLICIES = ("swap", "recompute", "cost")
 
 
 def once(args, policy: str, cells: int, prompt: int, gen: int, text: str) -> dict:
-    from ..conductor.agents import Conductor
-    from ..conductor.ledger import Ledger
-    from ..conductor.requests import RequestPool
+    from ..conductor import Conductor, Ledger, RequestPool
     conductor = Conductor(Ledger(lambda: 1 << 40), n_threads=args.threads)
     try:
         conductor.scheduler.preempt_by = policy

@@ -1,10 +1,10 @@
-"""The conductor: one process owns the accelerator for many agents (lmxd, and serve/ on it).
+"""The conductor: one process owns the accelerator for many agents; lmxd (swarmkv_ffi/lmxd/)
+and serve/ are its fronts, and import only this package, the engine's door (the names
+below `__all__`), never its modules.
 
 Lowest first (tests/test_layers.py holds the same order):
 
   its parts
-    protocol.py        the line protocol: parsing requests, formatting replies, error codes
-    lines.py           request lines off a Unix socket, with the descriptors sent with them
     quotas.py          what one user may take of a shared daemon
     policy.py          fairness between owners: rows, virtual time, the step cap, reopens
     kept.py            finished requests' cells (the radix cache) and the PrefixStore interface
@@ -16,15 +16,13 @@ Lowest first (tests/test_layers.py holds the same order):
     registry.py        models refcounted by file identity: two agents on one GGUF share it
     estimate.py        bytes an agent needs, from its GGUF (weights + KV for n_ctx + compute)
     sandbox.py         an untrusted GGUF loads in a child process first
-    client.py          the Python client and the `lmx` command
   the engine
     pool.py            one model's shared context, a KV sequence per seated agent; Kind, PoolKey
     scheduler.py       the one thread that runs every llama_decode, batched, fair by owner
     agents.py          the Conductor: registration, DECODE, RESET, swap, the context check
-    access.py          what a client may make the daemon open
-  its doors
+  its door
     requests.py        request pools: one-shot requests of owners (what serve/ uses)
-    server.py          lmxd's Unix-socket server; handed other fronts by swarmkv_ffi/lmxd.py
+    __init__.py        the names the fronts use: the Conductor and its parts' settings, request pools
 
 Where each rule lives: admission (ledger.py, with the bytes from estimate.py and the
 shares from quotas.py) in Conductor.register; fairness (policy.py) applied by the
@@ -32,3 +30,19 @@ scheduler; sharing of cells (pool.py: documents, kept cells matched per owner) a
 eviction (pool.py: least recently used kept cells first; idle seats paused by
 scheduler._make_room); the context length (agents.check_context) for both doors.
 """
+from .agents import MAX_PREFIX_BYTES, Conductor, named_source
+from .estimate import facts_of, load_table, of_facts
+from .ledger import Ledger, LedgerDenied
+from .memory import DeviceMemory
+from .modelfile import ModelSource, check_models_dir, on_pseudo_fs
+from .policy import STEP_RATIO, Policy
+from .quotas import DEFAULT_AGENTS_PER_UID, DEFAULT_CLIENTS_PER_UID, DEFAULT_SHARE_PERCENT, Quotas
+from .requests import (MAX_SEQS, ConductorError, ContextFull, NoRoom, PrefixStore, Request, RequestPool,
+                       RequestResult, Stopping, vetted)
+from .tiers import Costs, HostTier
+
+__all__ = ["Conductor", "ConductorError", "ContextFull", "Costs", "DEFAULT_AGENTS_PER_UID",
+           "DEFAULT_CLIENTS_PER_UID", "DEFAULT_SHARE_PERCENT", "DeviceMemory", "HostTier", "Ledger",
+           "LedgerDenied", "MAX_PREFIX_BYTES", "MAX_SEQS", "ModelSource", "NoRoom", "Policy", "PrefixStore",
+           "Quotas", "Request", "RequestPool", "RequestResult", "STEP_RATIO", "Stopping", "check_models_dir",
+           "facts_of", "load_table", "named_source", "of_facts", "on_pseudo_fs", "vetted"]

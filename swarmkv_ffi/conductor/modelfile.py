@@ -168,3 +168,12 @@ def check_unchanged(mf: ModelFile, fd: int) -> None:
         raise ModelLoadError(f"{mf.path} changed while it was being read; try again once it is complete")
 
 
+def check_models_dir(folder: Path) -> None:
+    """An operator's model folder must be theirs: not writable by anyone else, or any
+    user could plant a file there for everyone to load."""
+    st = folder.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"--models-dir {folder} is not a folder")
+    if st.st_uid not in (0, os.getuid()) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ValueError(f"--models-dir {folder} is owned by uid {st.st_uid} or writable by others "
+                         f"(mode {stat.S_IMODE(st.st_mode):o}); use a folder only the daemon's user can write")

@@ -18,11 +18,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..conductor.agents import Conductor
-from ..conductor.ledger import Ledger
-from ..conductor.memory import DeviceMemory
-from ..conductor.policy import Policy
-from ..conductor.requests import Request, RequestResult
+from ..conductor import Conductor, DeviceMemory, Ledger, Policy, Request, RequestResult
 from ..prefix_cache import PrefixCache
 from .errors import Refused, refused
 from . import sizing

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from ..conductor.requests import ConductorError, ContextFull, NoRoom, Stopping
+from ..conductor import ConductorError, ContextFull, NoRoom, Stopping
 from ..errors import SwarmKVError
 from .schemas import ErrorBody, ErrorDetail
 

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..conductor.agents import Conductor
-from ..conductor.requests import ContextFull, PrefixStore, RequestPool, vetted
-from ..conductor.tiers import HostTier
+from ..conductor import Conductor, ContextFull, HostTier, PrefixStore, RequestPool, vetted
 from . import sizing, templates
 from .errors import context_exceeded
 from .lineup import ModelSpec

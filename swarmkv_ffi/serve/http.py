@@ -3,7 +3,7 @@
 One uvicorn configuration for both (limits, keep-alive, graceful stop); `Front`, the
 HTTP front on a conductor that something else owns (lmxd's): the served model's engine
 and app on that conductor, uvicorn on a thread of its own beside the daemon's socket;
-and `LmxdFront`, what lmxd.py hands the daemon: the --http flags (settings.py's, named
+and `LmxdFront`, what lmxd's main() hands the daemon: the --http flags (settings.py's, named
 --http-*) and the start of a Front when --http is given.
 """
 from __future__ import annotations
@@ -96,7 +96,7 @@ class Front:
 
 
 class LmxdFront:
-    """conductor.server.Front: the OpenAI API beside lmxd's socket, on its conductor."""
+    """lmxd.server.Front: the OpenAI API beside lmxd's socket, on its conductor."""
     prefix = "http-"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:

@@ -30,8 +30,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from .. import catalog
-from ..conductor.access import check_models_dir
-from ..conductor.requests import MAX_SEQS
+from ..conductor import MAX_SEQS, check_models_dir
 
 FOREVER = math.inf
 

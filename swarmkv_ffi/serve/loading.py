@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 
-from ..conductor.ledger import LedgerDenied
+from ..conductor import LedgerDenied
 from .errors import Refused
 from .hosted import HostedModel
 from .lineup import FOREVER, ModelSpec, pools

@@ -24,7 +24,7 @@ import time
 from typing import Callable
 
 from ..errors import SwarmKVError, describe
-from ..conductor.tiers import Costs
+from ..conductor import Costs
 from ..prefix_cache import PrefixCache
 from ..snapshot import Snapshot, context_signature, tokens_hash
 

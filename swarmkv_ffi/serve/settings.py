@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import catalog
-from ..conductor.requests import MAX_SEQS
+from ..conductor import MAX_SEQS
 from . import lineup, templates
 from .keys import OPEN, Keys
 

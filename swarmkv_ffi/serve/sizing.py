@@ -34,7 +34,7 @@ class Size:
 def for_model(path, budget: int) -> Size:
     """The default for the model file at `path` (read through a mapping: its weights are not
     copied) under `budget` bytes."""
-    from ..conductor.estimate import facts_of, of_facts
+    from ..conductor import facts_of, of_facts
     from ..model import Model
     with Model(path, n_gpu_layers=0, repack=False) as model:
         facts, n_ctx_train = facts_of(model), model.n_ctx_train

@@ -17,8 +17,7 @@ import stat
 from pathlib import Path
 
 from .. import catalog
-from .agents import MAX_PREFIX_BYTES, ConductorError, named_source
-from .modelfile import ModelSource, on_pseudo_fs
+from ..conductor import MAX_PREFIX_BYTES, ConductorError, ModelSource, named_source, on_pseudo_fs
 
 FD_TOKEN = "@fd"     # REGISTER's <model> or prefix= value: "the descriptor sent with this line"
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
@@ -105,14 +104,3 @@ def read_text(fd: int, name: str) -> str:
         return b"".join(chunks).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConductorError("BAD_PREFIX", f"{name} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
-
-
-def check_models_dir(folder: Path) -> None:
-    """An operator's model folder must be theirs: not writable by anyone else, or any
-    user could plant a file there for everyone to load."""
-    st = folder.stat()
-    if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"--models-dir {folder} is not a folder")
-    if st.st_uid not in (0, os.getuid()) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ValueError(f"--models-dir {folder} is owned by uid {st.st_uid} or writable by others "
-                         f"(mode {stat.S_IMODE(st.st_mode):o}); use a folder only the daemon's user can write")

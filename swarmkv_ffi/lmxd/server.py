@@ -32,15 +32,12 @@ from pathlib import Path
 from typing import Protocol
 
 from ..errors import SwarmKVError, describe
+from ..conductor import (DEFAULT_AGENTS_PER_UID, DEFAULT_CLIENTS_PER_UID, DEFAULT_SHARE_PERCENT, STEP_RATIO,
+                         Conductor, ConductorError, DeviceMemory, Ledger, LedgerDenied, Policy, Quotas,
+                         check_models_dir, load_table)
 from . import protocol
-from .access import Access, check_models_dir
-from .agents import Conductor, ConductorError
-from .estimate import load_table
-from .ledger import Ledger, LedgerDenied
+from .access import Access
 from .lines import IdleTimeout, LineReader, LineTooLong, close_all
-from .memory import DeviceMemory
-from .policy import STEP_RATIO, Policy
-from .quotas import DEFAULT_AGENTS_PER_UID, DEFAULT_CLIENTS_PER_UID, DEFAULT_SHARE_PERCENT, Quotas
 
 log = logging.getLogger("lmxd")
 DEFAULT_LINE_CAP = 64 * 1024
@@ -491,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class Front(Protocol):
-    """What the daemon may be handed to serve beside its socket (lmxd.py hands it the
+    """What the daemon may be handed to serve beside its socket (lmxd's main() hands it the
     OpenAI API of serve/): its flags, and a start on the daemon's conductor that returns something
     to stop() once the socket has drained, or None when its flags did not ask for it."""
 
