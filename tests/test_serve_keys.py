@@ -90,6 +90,30 @@ def test_a_body_sent_too_slowly_is_a_408(server):
     assert status == 408 and body["error"]["code"] == "request_timeout", body
 
 
+@pytest.mark.parametrize("opening", [b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Filler: ",   # one endless header
+                                     b"GET /v1/models?q="])                               # an endless URL
+def test_headers_past_64_kib_are_a_431_before_any_key_is_read(server, opening):
+    """Without a key, a request line and headers past 64 KiB: a 431 and the connection
+    closed (httptools held an unfinished header whole: four connections sending one
+    endless header line held 192 MiB in 6 s); the other key's requests go on. A body of
+    any size that arrives with its headers is not counted."""
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(opening + b"a" * (70 << 10))
+        s.settimeout(10)
+        status, body = read_response(s)
+        assert closed_by_server(s, 5)
+    assert status == 431 and body["error"]["code"] == "request_header_fields_too_large", body
+    assert ask(server.client(KEY_B), [{"role": "user", "content": "Say hi."}]).choices[0].message.content
+    payload = json.dumps({"model": MODEL, "max_tokens": 1,
+                          "messages": [{"role": "user", "content": "x" * (300 << 10)}]}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        s.settimeout(30)
+        status, body = read_response(s)
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+
+
 def read_response(sock: socket.socket) -> tuple[int, dict]:
     """An HTTP response's status and JSON body, read whole (it may come in several pieces)."""
     raw = b""

@@ -11,7 +11,12 @@ extended by two rules:
   opening, or of its previous response, or it is closed;
 - an address holds at most `idle_per_address` connections that have not sent a request
   yet; a newer one closes its oldest, so a flood of idle sockets pushes out its own
-  sockets, never the one a client opened to send a request now.
+  sockets, never the one a client opened to send a request now;
+- a request line and headers together take at most `header_bytes` (64 KiB, as nginx's
+  large_client_header_buffers and Node's limit are of that order), counted as they
+  arrive, before any key is read: past it the answer is a 431 and the connection closes.
+  httptools keeps an unfinished header in memory whole, so without a cap four connections
+  each sending one endless header line held 192 MiB within seconds.
 
 The body's deadline is the route's (routes.capped_body). uvicorn documents `http=` as
 taking a protocol class; both of its HTTP/1.1 protocols start a new request cycle once
@@ -22,15 +27,43 @@ from __future__ import annotations
 
 import resource
 
+import json
+
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+#: The most bytes a request line and its headers may take.
+HEADER_BYTES = 64 << 10
 
-def protocol(header_timeout: float, idle_per_address: int, base: type = AutoHTTPProtocol) -> type:
-    """uvicorn's HTTP protocol class `base` with the two rules above."""
+
+def too_large() -> bytes:
+    """The 431 sent before closing a connection whose headers went past HEADER_BYTES."""
+    body = json.dumps({"error": {"message": f"the request line and headers are over {HEADER_BYTES} bytes",
+                                 "type": "invalid_request_error", "param": None,
+                                 "code": "request_header_fields_too_large"}}).encode()
+    return (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+            b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def protocol(header_timeout: float, idle_per_address: int, base: type = AutoHTTPProtocol,
+             header_bytes: int = HEADER_BYTES) -> type:
+    """uvicorn's HTTP protocol class `base` with the three rules above."""
     waiting: dict[str, dict] = {}        # address -> its connections without a request, oldest first
 
     class Guarded(base):
         _timer = None
+        _header_seen = 0                 # bytes received while this request's headers are unfinished
+
+        def data_received(self, data: bytes) -> None:
+            """Parse, then count what arrived if the headers are still unfinished (a chunk
+            that completes them may carry a body, which is the route's to bound)."""
+            super().data_received(data)
+            if self._timer is None or not self._idle() or self.transport.is_closing():
+                return
+            self._header_seen += len(data)
+            if self._header_seen > header_bytes:
+                self._disarm()
+                self.transport.write(too_large())
+                self.transport.close()
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -49,6 +82,7 @@ def protocol(header_timeout: float, idle_per_address: int, base: type = AutoHTTP
         def _arm(self) -> None:
             """Start waiting for a request: the deadline, and a place in the address's queue."""
             self._disarm()
+            self._header_seen = 0
             self._cycle_then = self.cycle
             self._timer = self.loop.call_later(header_timeout, self._expire)
             for other in [p for p in waiting.get(self._address, ()) if not p._idle()]:
