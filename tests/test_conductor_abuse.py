@@ -282,7 +282,7 @@ def test_a_failed_decode_rolls_back_and_other_agents_keep_working(monkeypatch):
     """llama_decode fails in a step that holds two agents' DECODEs: both are rolled back
     (their cells and histories as before), both get the error, and both work after."""
     from swarmkv_ffi.conductor.agents import Conductor
-    from swarmkv_ffi.conductor.ledger import Ledger
+    from swarmkv_ffi.admission.ledger import Ledger
     from swarmkv_ffi.context import Context
     from swarmkv_ffi.errors import DecodeFailedError
 
@@ -330,7 +330,7 @@ def test_a_failed_decode_rolls_back_and_other_agents_keep_working(monkeypatch):
 
 def test_lmxd_contexts_keep_full_sliding_window_caches():
     from swarmkv_ffi.conductor.agents import Conductor
-    from swarmkv_ffi.conductor.ledger import Ledger
+    from swarmkv_ffi.admission.ledger import Ledger
     c = Conductor(Ledger(lambda: 1 << 40), n_threads=1)
     try:
         agent = c.register("g", "gemma3-270m", n_ctx=256)
@@ -345,7 +345,7 @@ def test_own_gpu_memory_is_not_counted_twice_in_a_pid_namespace(monkeypatch):
     """NVML reports host PIDs inside a container: our process is one of them, unrecognised."""
     from types import SimpleNamespace
 
-    from swarmkv_ffi.conductor.memory import DeviceMemory
+    from swarmkv_ffi.admission.memory import DeviceMemory
     gib = 1 << 30
     fake = SimpleNamespace(
         nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(total=80 * gib, used=30 * gib, free=50 * gib),
@@ -397,7 +397,7 @@ def test_concurrent_first_use_assembles_a_model_once_and_never_half(tmp_path):
 
 
 def test_every_booking_is_checked_against_the_cap():
-    from swarmkv_ffi.conductor.ledger import Ledger, LedgerDenied
+    from swarmkv_ffi.admission.ledger import Ledger, LedgerDenied
     ledger = Ledger(lambda: 1000)
     ledger.reserve("agent:a", 600)
     with pytest.raises(LedgerDenied) as info:
@@ -412,7 +412,7 @@ def test_memory_says_why_it_budgets_host_ram_and_when_a_refresh_fails(monkeypatc
     import sys
     from types import SimpleNamespace
 
-    from swarmkv_ffi.conductor.memory import DeviceMemory
+    from swarmkv_ffi.admission.memory import DeviceMemory
 
     def no_driver():
         raise RuntimeError("NVML Shared Library Not Found")

@@ -13,7 +13,7 @@ from row_clock import RowClock
 from swarmkv_ffi.bench.measure import at_once
 from swarmkv_ffi.conductor import pool as pool_module
 from swarmkv_ffi.conductor.agents import Conductor
-from swarmkv_ffi.conductor.ledger import Ledger
+from swarmkv_ffi.admission.ledger import Ledger
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -10,7 +10,7 @@ import pytest
 from lmxd_daemon import queued, scheduler_held
 from row_clock import RowClock
 from swarmkv_ffi.conductor.agents import Conductor
-from swarmkv_ffi.conductor.ledger import Ledger
+from swarmkv_ffi.admission.ledger import Ledger
 from swarmkv_ffi.context import Context
 
 pytestmark = pytest.mark.timeout(300)

@@ -165,7 +165,7 @@ def test_eight_agents_decode_the_document_once_and_answer_as_a_plain_run(monkeyp
     from plain import greedy, one_token_per_decode
     from swarmkv_ffi.batch import Batch
     from swarmkv_ffi.conductor.agents import Conductor
-    from swarmkv_ffi.conductor.ledger import Ledger
+    from swarmkv_ffi.admission.ledger import Ledger
     from swarmkv_ffi.context import Context, ContextParams
     rows, real = [0], Context.decode
 

@@ -24,8 +24,8 @@ LAYERS: list[list[str]] = [
     ["_owned", "model", "batch", "exact", "context", "sampler", "arena", "fattn", "shaped_gguf"],   # the binding
     ["catalog", "snapshot", "prefix_cache", "generate", "probe", "grammar"],   # models, KV state, one answer
     ["fanout", "fanout.*", "distributed"],                              # the fan-out, and on Ray
-    ["conductor.quotas", "conductor.policy", "conductor.kept", "conductor.common_prompts", "conductor.ledger",
-     "conductor.memory", "conductor.modelfile", "conductor.registry", "conductor.estimate", "conductor.sandbox",
+    ["admission", "admission.*"],                                       # who fits: ledger, memory, quotas
+    ["conductor.policy", "conductor.kept", "conductor.common_prompts", "conductor.modelfile", "conductor.registry", "conductor.estimate", "conductor.sandbox",
      "conductor.tiers"],                                                # the conductor's parts
     ["conductor.pool"],                                                 # a model's shared context
     ["conductor.scheduler"],                                            # the batched steps

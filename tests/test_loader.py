@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from swarmkv_ffi.conductor.ledger import LedgerDenied
+from swarmkv_ffi.admission.ledger import LedgerDenied
 from swarmkv_ffi.serve.lineup import ModelSpec
 from swarmkv_ffi.serve.loading import LOADED, UNLOADED, UNLOADING, Loader
 

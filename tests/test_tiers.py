@@ -9,7 +9,7 @@ import pytest
 
 from corpus import DOC, LICENCE
 from swarmkv_ffi.conductor.agents import Conductor
-from swarmkv_ffi.conductor.ledger import Ledger
+from swarmkv_ffi.admission.ledger import Ledger
 from swarmkv_ffi.conductor.requests import RequestPool
 from swarmkv_ffi.conductor.tiers import HostTier
 from swarmkv_ffi.prefix_cache import PrefixCache

@@ -4,14 +4,11 @@ below `__all__`), never its modules.
 
 Lowest first (tests/test_layers.py holds the same order):
 
-  its parts
-    quotas.py          what one user may take of a shared daemon
+  its parts (admission, ../admission/: ledger.py, memory.py, quotas.py, sits below them)
     policy.py          fairness between owners: rows, virtual time, the step cap, reopens
     kept.py            finished requests' cells (the radix cache) and the PrefixStore interface
     tiers.py           evicted prefixes kept in host RAM (the tier below the cells)
     common_prompts.py  prompt tokens that DECODEs starting together share, decoded once
-    ledger.py          admission: bytes reserved per key under one lock, against a budget
-    memory.py          device memory, re-read on a timer and at every admission (NVML or host)
     modelfile.py       a client-named model file, opened once and checked before it is read
     registry.py        models refcounted by file identity: two agents on one GGUF share it
     estimate.py        bytes an agent needs, from its GGUF (weights + KV for n_ctx + compute)
@@ -24,19 +21,19 @@ Lowest first (tests/test_layers.py holds the same order):
     requests.py        request pools: one-shot requests of owners (what serve/ uses)
     __init__.py        the names the fronts use: the Conductor and its parts' settings, request pools
 
-Where each rule lives: admission (ledger.py, with the bytes from estimate.py and the
-shares from quotas.py) in Conductor.register; fairness (policy.py) applied by the
+Where each rule lives: admission (admission/ledger.py, with the bytes from estimate.py and
+the shares from admission/quotas.py) in Conductor.register; fairness (policy.py) applied by the
 scheduler; sharing of cells (pool.py: documents, kept cells matched per owner) and
 eviction (pool.py: least recently used kept cells first; idle seats paused by
 scheduler._make_room); the context length (agents.check_context) for both doors.
 """
 from .agents import MAX_PREFIX_BYTES, Conductor, named_source
 from .estimate import facts_of, load_table, of_facts
-from .ledger import Ledger, LedgerDenied
-from .memory import DeviceMemory
+from ..admission.ledger import Ledger, LedgerDenied
+from ..admission.memory import DeviceMemory
 from .modelfile import ModelSource, check_models_dir, on_pseudo_fs
 from .policy import STEP_RATIO, Policy
-from .quotas import DEFAULT_AGENTS_PER_UID, DEFAULT_CLIENTS_PER_UID, DEFAULT_SHARE_PERCENT, Quotas
+from ..admission.quotas import DEFAULT_AGENTS_PER_UID, DEFAULT_CLIENTS_PER_UID, DEFAULT_SHARE_PERCENT, Quotas
 from .requests import (MAX_SEQS, ConductorError, ContextFull, NoRoom, PrefixStore, Request, RequestPool,
                        RequestResult, Stopping, vetted)
 from .tiers import Costs, HostTier

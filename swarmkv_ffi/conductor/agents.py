@@ -32,9 +32,9 @@ from ..errors import ModelLoadError, ModelNotFoundError, SwarmKVError
 from ..snapshot import Snapshot, tokens_hash
 from . import sandbox
 from .estimate import Estimate, estimate
-from .ledger import Ledger, LedgerDenied
+from ..admission.ledger import Ledger, LedgerDenied
 from .modelfile import LoadableCopy, ModelFile, ModelSource, check_unchanged, fd_path
-from .quotas import UNLIMITED, Quotas
+from ..admission.quotas import UNLIMITED, Quotas
 from .policy import Policy
 from .pool import Fixed, Kind, Pool, PoolKey, Seat, key_for, pool_key
 from .registry import Loaded, ModelRegistry

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from ..errors import SwarmKVError, describe
 from ..snapshot import Snapshot, tokens_hash
 from .kept import PrefixStore, longest_common_prefix
-from .ledger import Ledger, LedgerDenied
+from ..admission.ledger import Ledger, LedgerDenied
 
 log = logging.getLogger("lmxd")
 
