@@ -299,7 +299,7 @@ def _fanout_config(args):
 def _prefix_cache(args):
     """The prefix cache the flags ask for (None with --no-cache, or with a warning when its
     folder cannot be used: the cache is optional)."""
-    from .prefix_cache import PrefixCache
+    from .kvcache.files import PrefixCache
     if args.no_cache:
         return None
     return PrefixCache.open_optional(args.cache_dir, args.cache_max_bytes)
@@ -377,7 +377,7 @@ def _print_fanout(result, args) -> None:
 def cmd_cache(args) -> int:
     import datetime
 
-    from .prefix_cache import PrefixCache
+    from .kvcache.files import PrefixCache
     cache = PrefixCache(args.cache_dir)
     if args.action == "clear":
         print(f"removed {cache.clear()} entries from {cache.root}")

@@ -19,7 +19,7 @@ from commands import swarmkv
 from corpus import DOC, LICENCE
 from filesystems import file_size_limit, fill, read_only, tmpfs
 from swarmkv_ffi.fanout import BranchSpec, run_fanout
-from swarmkv_ffi.prefix_cache import KEY, STALE, TEMPORARY, PrefixCache
+from swarmkv_ffi.kvcache.files import KEY, STALE, TEMPORARY, PrefixCache
 from swarmkv_ffi.snapshot import Snapshot
 
 QUESTION = [BranchSpec("Can I sell copies?", max_tokens=8)]
@@ -84,7 +84,7 @@ def test_a_cache_folder_that_cannot_be_made_turns_the_cache_off(smol, cold, tmp_
 
 WRITER = """
 import sys, numpy as np
-from swarmkv_ffi.prefix_cache import PrefixCache
+from swarmkv_ffi.kvcache.files import PrefixCache
 from swarmkv_ffi.snapshot import Snapshot, SnapshotHeader, checksum, tokens_hash
 cache = PrefixCache(sys.argv[1])
 for seed in range(1000):

@@ -22,11 +22,13 @@ LAYERS: list[list[str]] = [
     ["calibration"],                                                    # the kernel rule, handed the library
     ["library"],                                                        # libllama by cffi
     ["_owned", "model", "batch", "exact", "context", "sampler", "arena", "fattn", "shaped_gguf"],   # the binding
-    ["catalog", "snapshot", "prefix_cache", "generate", "probe", "grammar"],   # models, KV state, one answer
+    ["kvcache", "kvcache.prefix", "kvcache.thresholds", "kvcache.tier", "kvcache.costs", "kvcache.device"],  # the cache's words
+    ["catalog", "snapshot", "kvcache.files", "generate", "probe", "grammar"],   # models, KV state, one answer
     ["fanout", "fanout.*", "distributed"],                              # the fan-out, and on Ray
     ["admission", "admission.*"],                                       # who fits: ledger, memory, quotas
-    ["conductor.policy", "conductor.kept", "conductor.common_prompts", "conductor.modelfile", "conductor.registry", "conductor.estimate", "conductor.sandbox",
-     "conductor.tiers"],                                                # the conductor's parts
+    ["kvcache.host", "kvcache.disk"],                                   # the tiers below the cells
+    ["conductor.policy", "conductor.common_prompts", "conductor.modelfile", "conductor.registry", "conductor.estimate",
+     "conductor.sandbox"],                                                # the conductor's parts
     ["conductor.pool"],                                                 # a model's shared context
     ["conductor.scheduler"],                                            # the batched steps
     ["conductor.agents"],                                               # the Conductor
@@ -34,7 +36,7 @@ LAYERS: list[list[str]] = [
     ["conductor"],                                                      # the engine's door
     ["lmxd.protocol", "lmxd.lines", "lmxd.client"],                     # lmxd's front: the line protocol
     ["lmxd.access", "lmxd.server"],                                     # ... the socket server
-    ["serve", "serve.schemas", "serve.keys", "serve.text", "serve.routing", "serve.persist", "serve.templates",
+    ["serve", "serve.schemas", "serve.keys", "serve.text", "serve.routing", "serve.templates",
      "serve.guard", "serve.metrics", "serve.sizing", "serve.lineup", "serve.volatile", "serve.stored", "serve.telemetry"],
     ["serve.errors", "serve.settings", "serve.structured"],
     ["serve.hosted"],                                                   # one model: its pool, tier, size
@@ -167,3 +169,28 @@ def test_the_scan_sees_what_it_must(tmp_path):
     assert deps == {"serve.http"} and layer_of("serve.http") > layer_of("conductor.agents")
     assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_circle({"a": {"b"}, "b": set()}) is None
+
+
+#: What the prefix cache is made of: defined in kvcache/ and nowhere else (issue 62).
+PREFIX_CACHE_NAMES = {"PrefixTier", "PrefixStore", "PrefixCache", "HostTier", "DiskTier", "Costs", "Kept",
+                      "longest_common_prefix", "common_prefix_len", "KEEP_MIN", "WAIT_FOR_PREFIX", "HOST_MIN",
+                      "MIN_TOKENS", "DISK_MIN", "RECALL_MIN", "REPLAY_MAX", "TAIL"}
+
+
+def definitions(path: Path) -> set[str]:
+    """The classes, functions and module-level constants a file defines."""
+    tree = ast.parse(path.read_text(), str(path))
+    names = {n.name for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+    names |= {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+              for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+    return names
+
+
+def test_prefix_caching_has_one_home():
+    """How a prefix is matched, kept, demoted and restored is read in swarmkv_ffi/kvcache/
+    alone: none of its names is defined elsewhere (the pool's and scheduler's kept-cell
+    bookkeeping uses them, from there)."""
+    stray = [f"{name} defines {sorted(definitions(path) & PREFIX_CACHE_NAMES)}"
+             for name, (path, _) in sorted(modules().items())
+             if not name.startswith("kvcache") and definitions(path) & PREFIX_CACHE_NAMES]
+    assert not stray, "move these to swarmkv_ffi/kvcache/:\n" + "\n".join(stray)

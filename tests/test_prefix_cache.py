@@ -15,7 +15,7 @@ from commands import swarmkv as run_swarmkv
 
 from corpus import LICENCE
 from swarmkv_ffi.fanout import BranchSpec, run_fanout
-from swarmkv_ffi.prefix_cache import TAIL, CacheFolderError, PrefixCache
+from swarmkv_ffi.kvcache.files import TAIL, CacheFolderError, PrefixCache
 from swarmkv_ffi.snapshot import Snapshot, SnapshotHeader, checksum, tokens_hash
 
 DOC = LICENCE[:2400]

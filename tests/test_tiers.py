@@ -1,4 +1,4 @@
-"""The tiers below a request pool's cells (conductor/tiers.py, serve/persist.py): a cached
+"""The tiers below a request pool's cells (kvcache/host.py, kvcache/disk.py): a cached
 prefix the pool evicts for room goes to host RAM, booked in the swap ledger; when host
 RAM is full the oldest goes on to disk; a later request over the same opening restores it
 from the nearest tier instead of prefilling, and answers exactly as if it had prefilled;
@@ -11,9 +11,9 @@ from corpus import DOC, LICENCE
 from swarmkv_ffi.conductor.agents import Conductor
 from swarmkv_ffi.admission.ledger import Ledger
 from swarmkv_ffi.conductor.requests import RequestPool
-from swarmkv_ffi.conductor.tiers import HostTier
-from swarmkv_ffi.prefix_cache import PrefixCache
-from swarmkv_ffi.serve.persist import PrefixStore
+from swarmkv_ffi.kvcache.disk import DiskTier
+from swarmkv_ffi.kvcache.files import PrefixCache
+from swarmkv_ffi.kvcache.host import HostTier
 
 MODEL = "smollm2-135m"
 A = 1 << 40
@@ -77,7 +77,7 @@ def test_host_ram_full_sends_the_oldest_to_disk_and_it_comes_back_from_there(con
     evicted in turn; the first goes down to disk, and the next turn of its conversation
     restores it from there (tier disk). The tier never books more than its limit in the
     swap ledger."""
-    disk = PrefixStore(PrefixCache(tmp_path / "cache"), key_of=lambda owner: None)
+    disk = DiskTier(PrefixCache(tmp_path / "cache"), key_of=lambda owner: None)
     pool = RequestPool(conductor, MODEL, cells=1536, seqs=6)
     licence = tokens_of(pool, LICENCE)
     docs = [licence[i * 600:(i + 1) * 600] for i in range(3)]

@@ -22,7 +22,7 @@ from pathlib import Path
 from .. import catalog
 from ..fanout import BranchSpec, FanoutConfig, run_fanout
 from ..model import Model
-from ..prefix_cache import PrefixCache
+from ..kvcache.files import PrefixCache
 from .measure import add_threads, document_of, report_json, settings_of
 
 QUESTIONS = ["What is this document about?", "Who may use it?", "What must be kept?", "What is excluded?"]

@@ -4,10 +4,8 @@ below `__all__`), never its modules.
 
 Lowest first (tests/test_layers.py holds the same order):
 
-  its parts (admission, ../admission/: ledger.py, memory.py, quotas.py, sits below them)
+  its parts (below them: ../admission/, who fits; ../kvcache/, the prefix cache)
     policy.py          fairness between owners: rows, virtual time, the step cap, reopens
-    kept.py            finished requests' cells (the radix cache) and the PrefixStore interface
-    tiers.py           evicted prefixes kept in host RAM (the tier below the cells)
     common_prompts.py  prompt tokens that DECODEs starting together share, decoded once
     modelfile.py       a client-named model file, opened once and checked before it is read
     registry.py        models refcounted by file identity: two agents on one GGUF share it
@@ -23,23 +21,23 @@ Lowest first (tests/test_layers.py holds the same order):
 
 Where each rule lives: admission (admission/ledger.py, with the bytes from estimate.py and
 the shares from admission/quotas.py) in Conductor.register; fairness (policy.py) applied by the
-scheduler; sharing of cells (pool.py: documents, kept cells matched per owner) and
+scheduler; sharing of cells (pool.py: documents, kept cells matched per owner; the tiers below in
+../kvcache/) and
 eviction (pool.py: least recently used kept cells first; idle seats paused by
 scheduler._make_room); the context length (agents.check_context) for both doors.
 """
-from .agents import MAX_PREFIX_BYTES, Conductor, named_source
-from .estimate import facts_of, load_table, of_facts
 from ..admission.ledger import Ledger, LedgerDenied
 from ..admission.memory import DeviceMemory
+from ..admission.quotas import DEFAULT_AGENTS_PER_UID, DEFAULT_CLIENTS_PER_UID, DEFAULT_SHARE_PERCENT, Quotas
+from .agents import MAX_PREFIX_BYTES, Conductor, named_source
+from .estimate import facts_of, load_table, of_facts
 from .modelfile import ModelSource, check_models_dir, on_pseudo_fs
 from .policy import STEP_RATIO, Policy
-from ..admission.quotas import DEFAULT_AGENTS_PER_UID, DEFAULT_CLIENTS_PER_UID, DEFAULT_SHARE_PERCENT, Quotas
-from .requests import (MAX_SEQS, ConductorError, ContextFull, NoRoom, PrefixStore, Request, RequestPool,
+from .requests import (MAX_SEQS, ConductorError, ContextFull, NoRoom, Request, RequestPool,
                        RequestResult, Stopping, vetted)
-from .tiers import Costs, HostTier
 
-__all__ = ["Conductor", "ConductorError", "ContextFull", "Costs", "DEFAULT_AGENTS_PER_UID",
-           "DEFAULT_CLIENTS_PER_UID", "DEFAULT_SHARE_PERCENT", "DeviceMemory", "HostTier", "Ledger",
-           "LedgerDenied", "MAX_PREFIX_BYTES", "MAX_SEQS", "ModelSource", "NoRoom", "Policy", "PrefixStore",
+__all__ = ["Conductor", "ConductorError", "ContextFull", "DEFAULT_AGENTS_PER_UID",
+           "DEFAULT_CLIENTS_PER_UID", "DEFAULT_SHARE_PERCENT", "DeviceMemory", "Ledger",
+           "LedgerDenied", "MAX_PREFIX_BYTES", "MAX_SEQS", "ModelSource", "NoRoom", "Policy",
            "Quotas", "Request", "RequestPool", "RequestResult", "STEP_RATIO", "Stopping", "check_models_dir",
            "facts_of", "load_table", "named_source", "of_facts", "on_pseudo_fs", "vetted"]

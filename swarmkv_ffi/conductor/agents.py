@@ -27,14 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import catalog
+from ..admission.ledger import Ledger, LedgerDenied
+from ..admission.quotas import UNLIMITED, Quotas
 from ..context import Context
 from ..errors import ModelLoadError, ModelNotFoundError, SwarmKVError
+from ..kvcache.thresholds import REPLAY_MAX
 from ..snapshot import Snapshot, tokens_hash
 from . import sandbox
 from .estimate import Estimate, estimate
-from ..admission.ledger import Ledger, LedgerDenied
 from .modelfile import LoadableCopy, ModelFile, ModelSource, check_unchanged, fd_path
-from ..admission.quotas import UNLIMITED, Quotas
 from .policy import Policy
 from .pool import Fixed, Kind, Pool, PoolKey, Seat, key_for, pool_key
 from .registry import Loaded, ModelRegistry
@@ -73,9 +74,6 @@ def check_context(limit: int, held: int, new: int, max_tokens: int, who: str, ad
                           f"n_ctx {limit}; {advice}", limit, held, new, max_tokens)
 
 
-#: A paused prefix agent keeps no KV of its own when its tokens after the document are at
-#: most this many: it is rebuilt from the shared document and a re-read of those tokens.
-REPLAY_MAX = 2048
 MAX_PREFIX_BYTES = 8 << 20
 
 
@@ -532,7 +530,7 @@ class Conductor:
     def begin(self, run: Run) -> None:
         """The DECODE's first step: its prompt as tokens after the agent's conversation
         (the pending token first), checked against the agent's n_ctx. A request's tokens
-        come after what its seat forked (kept.py); it was checked when submitted."""
+        come after what its seat forked (kvcache/device.py); it was checked when submitted."""
         agent = run.agent
         if agent.kind is Kind.REQUEST:
             run.cached = len(agent.history)
@@ -551,7 +549,7 @@ class Conductor:
 
     def finished(self, run: Run) -> None:
         """A DECODE has ended (the scheduler's thread). Conversations keep their seats; a
-        request leaves its cells in the pool as cache (kept.py)."""
+        request leaves its cells in the pool as cache (kvcache/device.py)."""
         if run.agent.kind is not Kind.REQUEST:
             return
         pool = self.scheduler.pools.get(run.pool_key)

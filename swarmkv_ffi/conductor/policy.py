@@ -97,7 +97,7 @@ class StepCost:
 
     def prompt_row_seconds(self) -> float | None:
         """What a prompt row adds to a step, in seconds (None before any): the price of
-        prefilling a token, against which a tier's restore is weighed (tiers.py)."""
+        prefilling a token, against which a tier's restore is weighed (kvcache/host.py)."""
         return self._extra / self._prompt if self._prompt and self._extra > 0 else None
 
     def rows_in(self, seconds: float, limit: int) -> int:

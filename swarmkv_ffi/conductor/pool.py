@@ -42,7 +42,7 @@ growing size cost that user, not everyone in the pool.
 A request pool (requests.py: the pool a RequestPool opens, which serve/ submits to) has a
 fixed size and keeps the cells of finished requests (`kept`, least recently used first
 out) so that a later request that starts with the same tokens forks them instead of
-decoding them again: a radix cache over the pool's cells, matched per owner (kept.py).
+decoding them again: a radix cache over the pool's cells, matched per owner (kvcache/device.py).
 Room for a new request is made from kept sequences only as far as it falls short, its
 owner's first, another owner's only beyond its fair share (evict_for).
 
@@ -65,14 +65,13 @@ from typing import Callable, NamedTuple
 from ..context import Context
 from ..errors import SwarmKVError
 from ..snapshot import Snapshot
-from .kept import Kept, PrefixStore, longest_common_prefix
+from ..kvcache.device import Kept
+from ..kvcache.prefix import longest_common_prefix
+from ..kvcache.thresholds import KEEP_MIN
+from ..kvcache.tier import PrefixTier
 
 #: llama.cpp's LLAMA_MAX_SEQ: sequences one context can hold.
 MAX_SEQS = 256
-#: A finished request shorter than this is not kept: forking it would save little, and
-#: its cells, wherever they sit, widen the range of cells every later step attends over
-#: (a 10-token kept request below a 1.6k-token prompt made its prefill 25 % slower).
-KEEP_MIN = 32
 #: A request in a fast pool books its prompt and this many more cells at first, and this
 #: many more each time it has generated into them (grow), instead of all of max_tokens:
 #: most agents stop long before their max_tokens, and what they never generate would
@@ -93,7 +92,7 @@ class Fixed:
     cells: int
     seqs: int
     share: bool = False
-    store: PrefixStore | None = None
+    store: PrefixTier | None = None
 
 
 class Kind(enum.Enum):
@@ -352,7 +351,7 @@ class Pool:
         self.ctx.seq_cp(self.docs[p.key][0], seq, 0, p.n_tokens)
         return restored
 
-    # ---- kept cells: the server's radix cache (kept.py) ---------------------------------
+    # ---- kept cells: the server's radix cache (kvcache/device.py) ---------------------------------
     def _shared_with(self, owner: int, agent) -> bool:
         """Whether `agent` may fork cells of `owner`'s: its own, or anyone's if the
         operator shares them."""
@@ -402,7 +401,7 @@ class Pool:
 
     def _fork_kept(self, agent, seq: int, entry: Entry) -> int:
         """Fork the longest prefix of agent.asked the pool holds into `seq`; or, when that
-        is short, restore a longer one from the store (kept.PrefixStore). A long prefix
+        is short, restore a longer one from the store (kvcache.tier.PrefixTier). A long prefix
         forked from another request is one requests share: it goes to the store."""
         n, src = self.match(agent)
         wanted = agent.history or agent.asked
@@ -455,7 +454,7 @@ class Pool:
 
     def evict(self, seq: int) -> None:
         """Drop a kept sequence; the store below keeps its KV if the cells it frees hold
-        more than the prefix it forked from a sequence that stays (kept.PrefixStore)."""
+        more than the prefix it forked from a sequence that stays (kvcache.tier.PrefixTier)."""
         kept = self.kept.pop(seq)
         if self.store is not None and self._frees_prefix(seq, kept):
             self.store.evicted(kept.owner, kept.tokens, self.ctx, seq)

@@ -9,7 +9,7 @@ through a RESERVATION agent) and then runs requests in it:
     pool.close()
 
 Each request is a short-lived agent of kind REQUEST, of its owner: the scheduler seats it
-in the pool, where it forks the longest prefix of its tokens the pool holds (kept.py:
+in the pool, where it forks the longest prefix of its tokens the pool holds (kvcache/device.py:
 another request's cells, the owner's own unless the pool shares them) and decodes the
 rest beside every other running request in one batch; when it ends its cells stay as
 cache. Fairness between owners, admission and eviction are the conductor's as for its
@@ -26,7 +26,7 @@ from typing import Callable
 
 from . import sandbox
 from .agents import Agent, Conductor, ConductorError, ContextFull, check_context, named_source
-from .kept import PrefixStore
+from ..kvcache.tier import PrefixTier
 from .modelfile import LoadableCopy
 from .pool import MAX_SEQS, Fixed, Kind, NoRoom
 from .scheduler import Run, Stopping
@@ -34,7 +34,7 @@ from .scheduler import Run, Stopping
 #: What a caller of this door needs, all from here: the pool, its handles, the most
 #: sequences a pool takes, and the four ways a request is refused (ContextFull is a
 #: ConductorError; NoRoom: nothing running would free what it needs).
-__all__ = ["MAX_SEQS", "ConductorError", "ContextFull", "NoRoom", "PrefixStore", "Request", "RequestPool",
+__all__ = ["MAX_SEQS", "ConductorError", "ContextFull", "NoRoom", "Request", "RequestPool",
            "RequestResult", "Stopping", "vetted"]
 
 _pool_ids = itertools.count(1)
@@ -52,7 +52,7 @@ class RequestResult:
     cancelled: bool = False
     completed: bool = False
     tier: str | None = None     # where its cached tokens came from: "pool" (forked cells),
-                                # "host" or "disk" (restored; tiers.py, serve/persist.py)
+                                # "host" or "disk" (restored; kvcache/host.py, kvcache/disk.py)
 
 
 class Request:
@@ -85,10 +85,10 @@ class RequestPool:
     """One model's request pool on `conductor`: `cells` KV cells and `seqs` sequences for
     running requests and kept prefixes together; `exact`: batch-invariant kernels;
     `share`: every owner may fork every owner's kept cells; `store`: long shared
-    prefixes kept below the cells (kept.PrefixStore), or None."""
+    prefixes kept below the cells (kvcache.tier.PrefixTier), or None."""
 
     def __init__(self, conductor: Conductor, model: str, *, cells: int = 32768, seqs: int = 64,
-                 exact: bool = False, share: bool = False, store: PrefixStore | None = None):
+                 exact: bool = False, share: bool = False, store: PrefixTier | None = None):
         if not 2 <= seqs <= MAX_SEQS - 1:
             raise ValueError(f"a request pool takes 2..{MAX_SEQS - 1} sequences, got {seqs}")
         self.conductor, self.exact = conductor, exact

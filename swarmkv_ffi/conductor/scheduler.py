@@ -22,7 +22,7 @@ or rebuild pays for it, never the users it pauses.
 Requests (requests.py, which serve/ submits to) are runs too, of short-lived agents in
 request pools: they carry their sampler settings and a per-token callback (stop strings,
 streaming, logprobs), and one whose opening a running request of its owner is decoding
-waits for it and forks its cells (kept.py) instead of decoding the same tokens beside it.
+waits for it and forks its cells (kvcache/device.py) instead of decoding the same tokens beside it.
 
 Nothing else touches the pools' contexts: RESET, UNREGISTER and close hand the thread
 closures (`call`) that run between two steps, once the agent they name has no DECODE in
@@ -44,7 +44,8 @@ from ..sampler import Sampler, logprobs
 from .common_prompts import PromptTrie
 from .policy import SLICE_SECONDS, Policy, StepCost
 from .pool import Kind, NoRoom, Pool, PoolKey, pool_key
-from .tiers import MIN_TOKENS, Costs
+from ..kvcache.costs import Costs
+from ..kvcache.thresholds import HOST_MIN, WAIT_FOR_PREFIX
 
 log = logging.getLogger("lmxd")
 
@@ -59,9 +60,6 @@ IDLE_WAIT = 0.005
 #: A reopen for a newly registered agent (one that found no room for a context of its own)
 #: waits up to this long for other users' DECODEs under way in the pool to end first.
 REOPEN_WAIT = 2.0
-#: A server request waits for a running request of its owner to decode a common opening
-#: of at least this many more tokens than the pool already holds, then forks it.
-WAIT_FOR_PREFIX = 32
 
 
 class Stopping(Exception):
@@ -498,7 +496,7 @@ class Scheduler:
     @staticmethod
     def _prefix_coming(pool: Pool, run: Run) -> bool:
         """A request whose opening a running request is decoding right now waits for it
-        and forks its cells (kept.py): requests sent together over one document prefill
+        and forks its cells (kvcache/device.py): requests sent together over one document prefill
         it once."""
         agent = run.agent
         if agent.kind is not Kind.REQUEST or agent.history or pool.seat_of(agent) is not None:
@@ -639,7 +637,7 @@ class Scheduler:
             return False
         if self.preempt_by == "swap":
             return True
-        if shared >= MIN_TOKENS:
+        if shared >= HOST_MIN:
             return False
         prefill, swap = self._cost(pool).prompt_row_seconds(), self._swap_cost(pool).per_token()
         return prefill is not None and (swap is None or 2 * swap * tokens < prefill * (tokens - shared))

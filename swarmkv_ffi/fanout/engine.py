@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..model import Model
-from ..prefix_cache import PrefixCache
+from ..kvcache.files import PrefixCache
 from ..snapshot import Snapshot
 from .config import FanoutConfig
 from .copy import add_copy_nodes
@@ -26,7 +26,7 @@ def run_fanout(model: Model, document: str, specs: list[BranchSpec],
     config / settings: the context and prompt settings (FanoutConfig; keyword settings
     such as n_batch=256 or exact=True override fields of `config`).
 
-    cache: the prefix cache (True: the default folder, see prefix_cache.py; False or None:
+    cache: the prefix cache (True: the default folder, see kvcache/files.py; False or None:
     none). The longest cached start of the document is restored and only the rest is
     prefilled; afterwards the document's state is stored at the whole prefix and at
     cache boundaries, so the next run over it (or over an extension of it) skips that work.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..batch import Batch
 from ..context import Context
-from ..prefix_cache import TAIL
+from ..kvcache.thresholds import TAIL
 from .plan import Plan
 
 

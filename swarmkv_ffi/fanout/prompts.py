@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..kvcache.prefix import common_prefix_len
+
 INSTRUCTION = "Read the document below, then answer the question that follows it.\n\n"
 SENTINEL = "\u2063SWARMKV-QUESTION\u2063"  # invisible separator: never in a real document
 
@@ -37,12 +39,6 @@ def render(model, document: str, question: str, chat: bool) -> str:
     if chat:
         return model.apply_chat_template([{"role": "user", "content": body}])
     return body + "\nAnswer:"
-
-
-def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    diff = np.nonzero(a[:n] != b[:n])[0]
-    return int(diff[0]) if len(diff) else n
 
 
 def layout(model, document: str, questions: list[str], chat: bool = True) -> PromptLayout:

@@ -6,7 +6,6 @@ Lowest first (tests/test_layers.py holds the same order):
     keys.py       API keys and the owners they stand for
     text.py       tokens to text as they come, stop strings
     routing.py    the Ray Serve router, by prefix
-    persist.py    prefixes on disk (evicted, or shared): the conductor's PrefixStore on the prefix cache
     templates.py  a chat through the model's own Jinja template (jinja2's sandbox), tool turns;
                   control tokens only from the template's own text
     guard.py      uvicorn's protocol with a deadline for a request's headers, an idle cap per address

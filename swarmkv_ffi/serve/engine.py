@@ -9,7 +9,7 @@ choice of a request is submitted to the pool of the model it names, as the reque
 owner's; the pool forks the longest prefix it already holds and decodes the rest with
 the others in one batch. This module adds what only an HTTP server has: a cap on
 choices in flight per key and in all (every model's together), a stopping state, and
-the disk store below every pool (--cache-dir, persist.py). The routes (routes.py) turn
+the disk store below every pool (--cache-dir, kvcache/disk.py). The routes (routes.py) turn
 bodies into Jobs and results into responses.
 """
 from __future__ import annotations
@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..conductor import Conductor, DeviceMemory, Ledger, Policy, Request, RequestResult
-from ..prefix_cache import PrefixCache
+from ..kvcache.files import PrefixCache
 from .errors import Refused, refused
 from . import sizing
 from .hosted import HostedModel
 from .keys import Keys
 from .loading import Loadable, Loader, Use
 from .metrics import Tally
-from .persist import PrefixStore
+from ..kvcache.disk import DiskTier
 from .settings import Settings
 
 
@@ -64,7 +64,7 @@ class ServeEngine:
         self.host_bytes = sizing.host_cache_bytes(settings.host_cache_mib) // len(self.models.entries)
         try:
             cache = PrefixCache.open_optional(settings.cache_dir) if settings.cache_dir is not None else None
-            self.disk = PrefixStore(cache, keys.key_of) if cache is not None else None
+            self.disk = DiskTier(cache, keys.key_of) if cache is not None else None
             self.models.start()
         except BaseException:
             self.models.stop()               # what opened before the failure is booked no more

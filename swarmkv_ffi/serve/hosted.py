@@ -5,8 +5,8 @@ cells, and how its size was chosen.
 scheduler): each model gets a RequestPool of its own (conductor/requests.py), sized from
 the memory budget as if it were alone (sizing.py: a quarter of it at most, so what one
 model gets never depends on which loaded first), with a host-RAM tier for its evicted
-prefixes (conductor/tiers.py: KV of one model is no use to another) over the disk store
-the models share (persist.py; entries are keyed by model); the tiers split
+prefixes (kvcache/host.py: KV of one model is no use to another) over the disk store
+the models share (kvcache/disk.py; entries are keyed by model); the tiers split
 --host-cache-mib evenly. The pools stay open side by side (the scheduler never closes a
 request pool to serve another), so requests for A and B take turns at the device
 without rebuilding each other's cells.
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..conductor import Conductor, ContextFull, HostTier, PrefixStore, RequestPool, vetted
+from ..conductor import Conductor, ContextFull, RequestPool, vetted
+from ..kvcache.host import HostTier
+from ..kvcache.tier import PrefixTier
 from . import sizing, templates
 from .errors import context_exceeded
 from .lineup import ModelSpec
@@ -37,7 +39,7 @@ class HostedModel:
 
     @classmethod
     def open(cls, conductor: Conductor, spec: ModelSpec, settings: Settings,
-             disk: PrefixStore | None, host_bytes: int) -> "HostedModel":
+             disk: PrefixTier | None, host_bytes: int) -> "HostedModel":
         """Book and open `spec`'s pool (its size from the memory budget unless it names
         one), with a host tier of `host_bytes` (0: none). Raises ledger.LedgerDenied when
         the ledger has no room for it now; anything else when the model cannot load."""

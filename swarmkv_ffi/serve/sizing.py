@@ -9,7 +9,7 @@ estimate per cell is the ledger's own: KV and its share of the compute buffer); 
 less than one full context (below that some requests could never run: an error says how
 much memory it would take). Whatever is chosen, and why, goes to the startup log.
 
-The host-RAM tier below the pool (conductor/tiers.py, `--host-cache-mib`) takes an eighth
+The host-RAM tier below the pool (kvcache/host.py, `--host-cache-mib`) takes an eighth
 of the machine's RAM by default, at most 4 GiB: about 110 evicted 1.6k-token documents of
 SmolLM2-135M, while a prefill of one costs seconds on a CPU.
 """
@@ -43,7 +43,7 @@ def for_model(path, budget: int) -> Size:
 
 
 def host_cache_bytes(mib: int | None) -> int:
-    """Bytes of host RAM for evicted prefixes (conductor/tiers.py): `mib` as set, else an
+    """Bytes of host RAM for evicted prefixes (kvcache/host.py): `mib` as set, else an
     eighth of the machine's RAM, at most HOST_CACHE_MAX. 0: no host tier."""
     if mib is not None:
         return mib << 20

@@ -55,9 +55,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _cdef
-from .errors import SnapshotError, SwarmKVError, describe
-from .snapshot import FORMAT_VERSION, Snapshot, tokens_hash
+from .. import _cdef
+from ..errors import SnapshotError, SwarmKVError, describe
+from ..snapshot import FORMAT_VERSION, Snapshot, tokens_hash
+from .thresholds import TAIL
 
 log = logging.getLogger("swarmkv_ffi.prefix_cache")
 
@@ -74,7 +75,6 @@ class CacheFolderError(SwarmKVError):
     """The cache folder cannot be trusted (another user's, or writable by others)."""
 DEFAULT_MAX_BYTES = 4 << 30
 DEFAULT_BOUNDARY = 512
-TAIL = 16   # also store a document just short of its end: a tokenizer merge with appended text stays behind it
 STALE = 600           # seconds: a temporary file this old belongs to a writer that died
 TEMPORARY = re.compile(r"^\.[0-9a-f]{40}\..*")       # what store()'s writers name their files until the rename
 

@@ -1,12 +1,12 @@
 """The tier below a request pool's cells: evicted cached prefixes kept in host RAM.
 
-A request pool keeps finished requests' cells as cache (kept.py) until it needs the room.
+A request pool keeps finished requests' cells as cache (device.py) until it needs the room.
 What it evicts would be forgotten and prefilled again by the next request over the same
 document. `HostTier` keeps it instead: the evicted sequence's KV state is captured
 (llama_state_seq_get_data, a copy of its cells) into host RAM, booked in the conductor's
-swap ledger (ledger.py; lmxd's --swap budget, or the server's own) and within the tier's
+swap ledger (admission/ledger.py; lmxd's --swap budget, or the server's own) and within the tier's
 own byte limit. When the tier is full, the least recently used entry of the owner holding
-the most goes down to the store below it (serve's --cache-dir on disk, persist.py), or
+the most goes down to the store below it (serve's --cache-dir on disk, disk.py), or
 away if there is none. A request whose prompt the pool holds little of restores the
 longest entry of its owner's that starts like it, here or below, when the measured cost
 of restoring is below the measured cost of prefilling (`Costs`); cells restored beyond
@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 
 from ..errors import SwarmKVError, describe
 from ..snapshot import Snapshot, tokens_hash
-from .kept import PrefixStore, longest_common_prefix
 from ..admission.ledger import Ledger, LedgerDenied
+from .costs import Costs
+from .prefix import longest_common_prefix
+from .thresholds import HOST_MIN
+from .tier import PrefixTier
 
 log = logging.getLogger("lmxd")
-
-#: Evicted sequences shorter than this are not kept: prefilling them is as cheap as a copy.
-MIN_TOKENS = 256
 
 
 @dataclass
@@ -46,44 +46,20 @@ class HostEntry:
         return f"tier:{self.owner}:{tokens_hash(self.tokens)}"
 
 
-class Costs:
-    """Seconds per token of copying KV between the pool and host RAM or disk (a tier's
-    restores, a preempted request's swap), learnt from its own copies (each older one
-    weighs FORGET times less). Before the first, copying is assumed cheaper than
-    prefilling: its first use measures it."""
-    FORGET = 0.8
-
-    def __init__(self):
-        self._tokens = self._seconds = 0.0
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        self._tokens = self._tokens * self.FORGET + tokens
-        self._seconds = self._seconds * self.FORGET + seconds
-
-    def per_token(self) -> float | None:
-        return self._seconds / self._tokens if self._tokens else None
-
-    def cheaper(self, restored: int, saved: int, prefill_s: float | None) -> bool:
-        """Whether restoring `restored` tokens beats prefilling the `saved` tokens it spares,
-        at prefill_s seconds a token (None: not measured yet)."""
-        mine = self.per_token()
-        return mine is None or prefill_s is None or mine * restored < prefill_s * saved
-
-
 class HostTier:
-    """kept.PrefixStore in host RAM, of at most `limit_bytes`, booked in `ledger`, over the
+    """PrefixTier in host RAM, of at most `limit_bytes`, booked in `ledger`, over the
     store `below` (or none). Runs on the scheduler's thread; `nbytes`, `len(entries)` and
     `demoted` may be read from others (/metrics)."""
-    min_tokens = MIN_TOKENS
+    min_tokens = HOST_MIN
 
-    def __init__(self, ledger: Ledger, limit_bytes: int, below: PrefixStore | None = None):
+    def __init__(self, ledger: Ledger, limit_bytes: int, below: PrefixTier | None = None):
         self.ledger, self.limit, self.below = ledger, limit_bytes, below
         self.entries: dict[str, HostEntry] = {}
         self.nbytes = 0            # what the entries hold (and the ledger books)
         self.costs = Costs()
         self.demoted = 0           # entries sent down to `below` (or dropped) for room
 
-    # ---- kept.PrefixStore ------------------------------------------------------------------
+    # ---- PrefixTier ------------------------------------------------------------------
     def remember(self, owner: int, tokens: list[int], ctx, seq: int, n: int) -> None:
         """A prefix requests share: the store below keeps it (it outlives the process)."""
         if self.below is not None:

@@ -1,14 +1,14 @@
 """Shared prefixes on disk: a restarted server answers a known document without prefilling it.
 
-The conductor's kept.PrefixStore, on the prefix cache (prefix_cache.py). Two kinds of
+A tier.PrefixTier on the file store (files.py). Two kinds of
 prefix come here, each captured on the scheduler's thread and written by a thread of its
 own, keyed by the model, the pool's KV layout, the tokens and the owner's API key (a name
 derived from it, `_signature`):
-- a prefix the pool evicts, or that its host-RAM tier lets go (conductor/tiers.py), which
+- a prefix the pool evicts, or that its host-RAM tier lets go (host.py), which
   would otherwise be prefilled again;
-- a prefix of RECALL_MIN tokens or more that a request forks from another request's
+- a prefix of DISK_MIN tokens or more that a request forks from another request's
   cells: one that requests share (a document, a system prompt, a conversation's opening).
-A request whose pool holds less than RECALL_MIN tokens of its prompt looks for the longest
+A request whose pool holds less than DISK_MIN tokens of its prompt looks for the longest
 stored prefix of it, of its own owner, and restores it instead of decoding it, as long as
 the disk has proved cheaper per token than prefilling (`Costs`).
 
@@ -24,20 +24,17 @@ import time
 from typing import Callable
 
 from ..errors import SwarmKVError, describe
-from ..conductor import Costs
-from ..prefix_cache import PrefixCache
 from ..snapshot import Snapshot, context_signature, tokens_hash
+from .costs import Costs
+from .files import PrefixCache
+from .thresholds import DISK_MIN
 
 log = logging.getLogger("swarmkv.serve")
 
-#: Prefixes shorter than this are neither stored nor looked up: decoding them is cheaper
-#: than the disk.
-RECALL_MIN = 256
 
-
-class PrefixStore:
-    """kept.PrefixStore on a PrefixCache, with a writer thread of its own."""
-    min_tokens = RECALL_MIN
+class DiskTier:
+    """tier.PrefixTier on a PrefixCache, with a writer thread of its own."""
+    min_tokens = DISK_MIN
 
     def __init__(self, cache: PrefixCache, key_of: Callable[[int], bytes | None]):
         self.cache = cache
@@ -60,7 +57,7 @@ class PrefixStore:
         """`seq` holds exactly tokens[:n], a prefix another request shared: store it once
         (on the scheduler's thread only the capture; the write is the writer's)."""
         tokens = tokens[:n]
-        if n < RECALL_MIN or (owner, tokens_hash(tokens)) in self._stored or self._queue.full():
+        if n < DISK_MIN or (owner, tokens_hash(tokens)) in self._stored or self._queue.full():
             return
         try:
             snap = Snapshot.capture(ctx, seq, tokens)
@@ -77,7 +74,7 @@ class PrefixStore:
         """Queue `snapshot` for the disk, once per owner and tokens (dropped if the writer
         is four behind: the disk is a cache, never a wait)."""
         ident = (owner, snapshot.header.tokens_hash)
-        if snapshot.header.n_tokens < RECALL_MIN or ident in self._stored or self._queue.full():
+        if snapshot.header.n_tokens < DISK_MIN or ident in self._stored or self._queue.full():
             return
         self._stored.add(ident)
         self._queue.put((snapshot, self._signature(ctx, owner)))
@@ -87,7 +84,7 @@ class PrefixStore:
         """Restore into the empty `seq` the longest stored prefix of `tokens` (all but the
         last) of `owner`'s, if longer than `more_than` and the disk has been cheaper than
         prefilling (a lookup reads the file: the choice is made by rates, before it)."""
-        if len(tokens) <= RECALL_MIN or not self.costs.cheaper(1, 1, prefill_s):
+        if len(tokens) <= DISK_MIN or not self.costs.cheaper(1, 1, prefill_s):
             return 0, None
         t0 = time.perf_counter()
         try:
