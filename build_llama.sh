@@ -56,11 +56,12 @@ refuses to load it on a CPU that lacks one (instead of dying with SIGILL).
                      without network; it must name this pin's sdist sha256
   --jobs N           parallel compile jobs (default: nproc)
   --force            rebuild even if the installed manifest matches
-  --no-calibrate     do not time the attention kernels after the build (under a
-                     minute: 47 s on 2 cores): the fast mode then chooses between ggml's
+  --no-calibrate     do not time the attention kernels after the build (about
+                     4 minutes on 2 cores, with its end-to-end check): the fast mode chooses between ggml's
                      kernels and ours by the rule built into kernels/ggml/0003, measured
                      on one CPU. \`swarmkv calibrate\` calibrates later; a build that
-                     is already up to date is not re-calibrated
+                     is already up to date is not re-calibrated, and one installed
+                     again on the CPU that calibrated it reuses that table
   -h, --help         this text
 
 Environment: SWARMKV_CACHE (cache folder), CMAKE (cmake binary), SWARMKV_NO_CALIBRATE=1
@@ -379,7 +380,7 @@ if [ $calibrate = 1 ] && [ "$backend" = cpu ]; then
         else rm -f "$twin.tmp"; say "warning: could not write the model twin; the kernel table is not checked end to end"; fi
     fi
     check=(); [ -s "$twin" ] && check=(--check-model "$twin")
-    "$py" "$root/swarmkv_ffi/calibration.py" "$prefix" ${check[@]+"${check[@]}"} \
+    "$py" "$root/swarmkv_ffi/calibration.py" "$prefix" ${check[@]+"${check[@]}"} --reuse "$cache/calibration-$key.json" \
         || say "warning: calibration failed; the fast mode keeps the built-in kernel rule (swarmkv calibrate retries)"
 fi
 [ $tools != 0 ] && build_tools

@@ -28,7 +28,12 @@ speed only, within what the fast mode already allows (its kernels round differen
 This file also runs as a script with nothing but the standard library, which is how
 build_llama.sh records a calibration before the package is installed:
 
-    python3 swarmkv_ffi/calibration.py PREFIX [--threads N] [--repeat R] [--check-model GGUF]
+    python3 swarmkv_ffi/calibration.py PREFIX [--threads N] [--repeat R] [--check-model GGUF] [--reuse FILE]
+
+With --reuse (build_llama.sh names a file per build in its cache), a table measured before
+for the same build on the same CPU with as many cores is recorded again instead of
+measured: installing one build twice (a fresh checkout, CI) costs no 3-minute calibration.
+`swarmkv calibrate` always measures.
 """
 from __future__ import annotations
 
@@ -191,11 +196,6 @@ def check_lines(checked: dict) -> list[str]:
 def record(prefix: Path, result: dict) -> dict:
     """Write a calibration into PREFIX/manifest.json (atomically), with the CPU and the
     time it was measured; returns the entry."""
-    path = Path(prefix) / "manifest.json"
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CalibrationError(f"cannot read {path}: {exc}") from None
     entry = {
         "rule": check_rule(result["rule"]),
         "cpu": {**cpu.identity(), "cpus": os.cpu_count() or 1},
@@ -207,9 +207,43 @@ def record(prefix: Path, result: dict) -> dict:
     }
     if "check" in result:
         entry.update(op_rule=check_rule(result["op_rule"]), check=result["check"])
+    _record_entry(prefix, entry)
+    return entry
+
+
+def _record_entry(prefix: Path, entry: dict) -> None:
+    path = Path(prefix) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CalibrationError(f"cannot read {path}: {exc}") from None
     manifest[KEY] = entry
     _write(path, manifest)
-    return entry
+
+
+def reusable(path: Path | None) -> dict | None:
+    """The entry kept at `path` if it was measured on this CPU with as many cores, else None."""
+    if path is None:
+        return None
+    try:
+        entry = json.loads(Path(path).read_text())
+        check_rule(entry["rule"])
+    except (OSError, ValueError, KeyError, TypeError, CalibrationError):
+        return None
+    same = cpu.same_identity(entry.get("cpu", {}), cpu.identity()) and \
+        entry["cpu"].get("cpus") == (os.cpu_count() or 1)
+    return entry if same else None
+
+
+def keep_for_reuse(path: Path | None, entry: dict) -> None:
+    """Save `entry` for reusable(); a cache that cannot be written only costs a later re-measure."""
+    if path is not None:
+        try:
+            tmp = Path(path).with_name(f".{Path(path).name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(entry) + "\n")
+            os.replace(tmp, path)
+        except OSError as exc:
+            print(f"calibration: warning: cannot keep the table for reuse in {path}: {exc}", file=sys.stderr)
 
 
 def forget(prefix: Path) -> bool:
@@ -349,7 +383,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--check-model", type=Path, default=None,
                     help="check the table end to end with this model (a twin of the packaged one at build time)")
+    ap.add_argument("--reuse", type=Path, default=None,
+                    help="record the table kept in this file if measured on this CPU, else measure and keep it there")
     args = ap.parse_args(argv)
+    if (kept := reusable(args.reuse)) is not None:
+        try:
+            _record_entry(args.prefix, kept)
+        except CalibrationError as exc:
+            print(f"calibration: error: {exc}", file=sys.stderr)
+            return 1
+        print(f"calibration: reused the table measured {kept.get('calibrated_at')} for this build on this CPU "
+              f"({args.reuse}); `swarmkv calibrate` measures again", file=sys.stderr)
+        print(table(kept["rule"]), file=sys.stderr)
+        return 0
     try:
         result = measure(args.prefix, args.threads, args.repeat)
         if args.check_model:
@@ -362,6 +408,7 @@ def main(argv: list[str]) -> int:
     except CalibrationError as exc:
         print(f"calibration: error: {exc}", file=sys.stderr)
         return 1
+    keep_for_reuse(args.reuse, entry)
     print(f"calibration: recorded in {args.prefix / 'manifest.json'} ({entry['seconds']} s, "
           f"{entry['threads']} threads); the shared-prefix kernel is used from these cells:", file=sys.stderr)
     print(table(entry["rule"]), file=sys.stderr)

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -324,3 +325,33 @@ def test_a_build_whose_check_fails_still_records_the_op_timings_table(tmp_path, 
     entry = json.loads((tmp_path / "manifest.json").read_text())[calibration.KEY]
     assert entry["rule"] == op_table and "check" not in entry
     assert "end-to-end check failed" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_a_table_is_reused_only_for_the_cpu_and_core_count_that_measured_it(tmp_path):
+    """build_llama.sh --reuse: installing a build again (a fresh checkout, CI) records the
+    table kept in its cache instead of measuring for minutes, but only one measured on this
+    CPU with as many cores; another CPU's, a damaged file or a missing one measure again."""
+    rule = [0] * calibration.RULE_LEN
+    mine = {"rule": rule, "cpu": {**cpu.identity(), "cpus": os.cpu_count() or 1}, "calibrated_at": "then"}
+    kept = tmp_path / "calibration-key.json"
+    kept.write_text(json.dumps(mine))
+    assert calibration.reusable(kept) == mine
+    for other in ({**mine, "cpu": {**mine["cpu"], "id": "GenuineIntel/6/143/8//"}},
+                  {**mine, "cpu": {**mine["cpu"], "cpus": (os.cpu_count() or 1) + 2}},
+                  {**mine, "rule": rule[:48]}):
+        kept.write_text(json.dumps(other))
+        assert calibration.reusable(kept) is None
+    kept.write_text("{not json")
+    assert calibration.reusable(kept) is None and calibration.reusable(tmp_path / "none.json") is None
+
+    prefix = tmp_path / "libllama"
+    prefix.mkdir()
+    (prefix / "manifest.json").write_text(json.dumps({"build_key": "k"}))
+    kept.write_text(json.dumps(mine))
+    script = Path(calibration.__file__)
+    proc = subprocess.run([sys.executable, str(script), str(prefix), "--reuse", str(kept)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "reused the table measured then" in proc.stderr, proc.stderr
+    manifest = json.loads((prefix / "manifest.json").read_text())
+    assert manifest["build_key"] == "k" and manifest[calibration.KEY] == mine
