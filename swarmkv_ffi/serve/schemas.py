@@ -21,9 +21,25 @@ from .lineup import keep_alive_seconds
 
 MAX_N = 16
 MAX_STOP = 4
+#: OpenAI's pattern for a function's name: what a tool, a tool call or a tool choice names.
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+#: Characters in one stop string: an agent's stop marker is a line at most; a longer one
+#: only costs the decode thread (issue 63).
+MAX_STOP_CHARS = 512
 MAX_LOGIT_BIAS = 300            # OpenAI's own limit on logit_bias entries
 
 STRICT = ConfigDict(extra="forbid")
+
+
+def check_stops(stop):
+    """`stop` as OpenAI takes it (a string or a list), held to MAX_STOP strings of at
+    most MAX_STOP_CHARS characters each; a ValueError says which limit."""
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > MAX_STOP:
+        raise ValueError(f"at most {MAX_STOP} stop sequences")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ValueError(f"each stop sequence is at most {MAX_STOP_CHARS} characters")
+    return stop
 
 
 def bad_text(body) -> tuple[str, str] | None:
@@ -69,7 +85,7 @@ class TextPart(BaseModel):
 
 class FunctionCall(BaseModel):
     model_config = STRICT
-    name: str
+    name: str = Field(pattern=TOOL_NAME)       # rendered by the template outside any content (issue 63)
     arguments: str
 
 
@@ -121,7 +137,7 @@ class Message(BaseModel):
 
 class FunctionDef(BaseModel):
     model_config = STRICT
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None          # always kept: arguments follow `parameters` exactly
@@ -161,7 +177,7 @@ class JsonObjectFormat(BaseModel):
 
 class JsonSchemaSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: bool | None = None          # always kept: the output follows the schema exactly
@@ -205,9 +221,7 @@ class Sampling(BaseModel):
     @field_validator("stop")
     @classmethod
     def _few_stops(cls, v):
-        if isinstance(v, list) and len(v) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences")
-        return v
+        return check_stops(v)
 
     @field_validator("logit_bias")
     @classmethod

@@ -44,6 +44,8 @@ def tokens(model, messages: list[dict], tools: list[dict] | None = None, templat
     outside them, each piece tokenized as text (llama.cpp splits at the same places).
     `template`: a template's source to use instead of the model's own."""
     controls = control_tokens(model)
+    if controls is not None:
+        refuse_controls_outside_content(messages, tools, controls[0])
     if controls is None or not any(controls[0].search(t) for t in message_texts(messages)):
         return [int(t) for t in model.tokenize(render(model, messages, tools, template=template),
                                                add_special=True, parse_special=True)]
@@ -81,6 +83,28 @@ def _split(marked: str, opening: str, closing: str, pattern: re.Pattern) -> list
     if inside:
         raise TemplateError("the model's chat template cut a message's text; remove the control token from it")
     return pieces + [("".join(text), None)]
+
+
+def refuse_controls_outside_content(messages: list[dict], tools: list[dict] | None, pattern: re.Pattern) -> None:
+    """A control token's text in a call's id or name, or in the tools offered, is refused:
+    templates render those fields outside the marked text (many by `tojson`, some raw), so
+    it would become the control token itself: a forged turn (issue 63)."""
+    for where, text in _outside_content(messages, tools):
+        if found := pattern.search(text):
+            raise TemplateError(f"{where} holds the control token {found.group()!r}; only a message's text "
+                                "may carry one (as text)")
+
+
+def _outside_content(messages: list[dict], tools: list[dict] | None):
+    """(field, text) the template renders besides the messages' texts."""
+    for i, m in enumerate(messages):
+        if isinstance(m.get("tool_call_id"), str):
+            yield f"messages.{i}.tool_call_id", m["tool_call_id"]
+        for j, call in enumerate(m.get("tool_calls") or []):
+            yield f"messages.{i}.tool_calls.{j}.id", str(call.get("id") or "")
+            yield f"messages.{i}.tool_calls.{j}.function.name", call["function"]["name"]
+    for k, tool in enumerate(tools or []):
+        yield f"tools.{k}", json.dumps(tool, ensure_ascii=False)
 
 
 def message_texts(messages: list[dict]):
