@@ -3,6 +3,7 @@ the counters move as requests run, sixteen choices over one document decode toge
 (their prompt booked once), and a key's scrape shows its own counters only."""
 from __future__ import annotations
 
+import json
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -84,6 +85,21 @@ def test_a_key_sees_its_own_counters_and_nothing_of_the_pool(server):
     later = scrape(server, KEY_B)
     assert later[("swarmkv_requests_total", ())] == mine[("swarmkv_requests_total", ())] + 1
     assert scrape(server, OPERATOR)[("swarmkv_requests_total", ())] > later[("swarmkv_requests_total", ())]
+
+
+def test_a_models_state_is_the_operators_to_see(server):
+    """Issue 63: /v1/models showed every key each model's unloaded -> loading -> loaded
+    within 56 ms of another key's request. A key sees the ids; the metrics key, the state."""
+    def cards(key: str) -> list[dict]:
+        request = urllib.request.Request(server.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return json.loads(reply.read())["data"]
+    mine, operator = cards(KEY_B), cards(OPERATOR)
+    assert [c["id"] for c in mine] == [c["id"] for c in operator] == [MODEL]
+    assert "status" not in mine[0] and operator[0]["status"]["value"] == "loaded"
+    with pytest.raises(urllib.error.HTTPError) as info:
+        cards("key-wrong-0123456789")
+    assert info.value.code == 401
 
 
 @pytest.mark.parametrize("key", [None, "metrics-wrong-0123"])

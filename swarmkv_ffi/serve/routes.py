@@ -90,25 +90,34 @@ async def metrics(request: Request):
     """Prometheus' scrape: the whole server's figures for the metrics key (or on a server
     without keys), a key's own counters for an API key (metrics.py)."""
     s = served(request)
-    wanted = s.settings.metrics_key
+    return Response(metrics_text(s.engine, viewer(request)), media_type=METRICS_TYPE)
+
+
+def viewer(request: Request) -> int | None:
+    """Who asks for the server's state: None for the operator (the metrics key, or anyone
+    on a server without keys), else the key's owner (a wrong key is a 401)."""
+    wanted = served(request).settings.metrics_key
     if wanted is not None and hmac.compare_digest(bearer(presented(request.headers)), wanted.encode()):
-        owner = None
-    else:
-        owner = owner_of(request)
-        owner = None if owner == OPEN else owner
-    return Response(metrics_text(s.engine, owner), media_type=METRICS_TYPE)
+        return None
+    owner = owner_of(request)
+    return None if owner == OPEN else owner
 
 
 async def models(request: Request):
-    """Every model id served, with its state (loaded, loading, unloaded, failed: why)."""
-    owner_of(request)
+    """Every model id served; the operator also sees each one's state (loaded, loading,
+    unloaded, failed: why). A key does not: a model going from unloaded to loading
+    within milliseconds of its own request would tell it what another key just asked
+    (issue 63)."""
+    operator = viewer(request) is None
     s = served(request)
     cards = []
     for name, entry in s.engine.models.named.items():
-        status = ModelStatus(value=entry.state, pinned=entry.spec.pinned)
-        if entry.state == "failed":
-            status.error = str(entry.error)
-        cards.append(ModelCard(id=name, created=s.created, status=status))
+        card = ModelCard(id=name, created=s.created)
+        if operator:
+            card.status = ModelStatus(value=entry.state, pinned=entry.spec.pinned)
+            if entry.state == "failed":
+                card.status.error = str(entry.error)
+        cards.append(card)
     return ModelList(data=cards).model_dump()
 
 

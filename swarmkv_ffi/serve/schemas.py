@@ -452,6 +452,7 @@ class ModelStatus(Shape):
 
 
 class ModelCard(Shape):
+    omit_unset = frozenset({"status"})      # the operator's view only (routes.models)
     id: str
     object: Literal["model"] = "model"
     created: int
