@@ -206,8 +206,8 @@ async def apply_template(request: Request):
         body = await read_body(request, ChatRequest, s)
     use = await s.engine.use(who, s.engine.resolve(body.model), None)
     try:
-        structure = structured.plan(body, parallel_default=use.hosted.knows_tools)
         async with s.preparing(who):
+            structure = await asyncio.to_thread(structured.plan, body, use.hosted.knows_tools)
             prompt = await asyncio.to_thread(chat_prompt, use.hosted, body, structure, s.settings.keep_billing_header)
     finally:
         use.release()
@@ -234,8 +234,9 @@ async def run_chat(request: Request, who: int, body: ChatRequest, shape_for):
 
 
 async def prepared_chat(hosted: HostedModel, body: ChatRequest, settings: Settings):
-    """(the prompt's tokens, its Structure): planned here, tokenized on a worker thread."""
-    structure = structured.plan(body, parallel_default=hosted.knows_tools)
+    """(the prompt's tokens, its Structure): both made on a worker thread (a grammar's
+    compile and the template's render never hold the event loop)."""
+    structure = await asyncio.to_thread(structured.plan, body, hosted.knows_tools)
     tokens = await asyncio.to_thread(chat_tokens, hosted, body, structure, settings.keep_billing_header)
     return tokens, structure
 
@@ -253,7 +254,7 @@ async def completions(request: Request):
     try:
         hosted = use.hosted
         async with s.preparing(who):
-            structure = structured.plan(body)
+            structure = await asyncio.to_thread(structured.plan, body)
             prompts = await asyncio.to_thread(completion_tokens, hosted, body, structure)
         call = Call(s.engine, use, who, body, prompts, hosted.max_tokens_for(prompts, body.limit(), "prompt"),
                     asyncio.get_running_loop(), structure)

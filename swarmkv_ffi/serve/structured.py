@@ -12,10 +12,17 @@
   content. The tools and this form are told to the model in the system message, so 16
   agents with the same tools and document still share one prefix.
 - `grammar` (llama-server's extra): a GBNF or Lark grammar, as content.
+
+Compiling is bounded (issue 63: a 72 KiB GBNF of 3,000 chained rules took 4.4 s, a 4 MiB
+enum 1 GB): a grammar of at most MAX_GRAMMAR_CHARS characters and MAX_GRAMMAR_RULES
+rules, a schema (the response format, or the tools' form) of at most MAX_SCHEMA_BYTES as
+JSON, each past it a 400 naming the limit; plan() runs on a worker thread (routes.py),
+never on the event loop that streams every key's tokens.
 """
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -23,6 +30,12 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from .. import grammar as grammars
 from .errors import Refused
+
+MAX_GRAMMAR_CHARS = 32 << 10
+MAX_GRAMMAR_RULES = 1024
+MAX_SCHEMA_BYTES = 128 << 10
+#: A rule's head: GBNF's `name ::=`, or Lark's `name:` / `?name:` at a line's start.
+RULE = re.compile(r"::=|^\s*[?!]?[A-Za-z_][\w.]*(\.\d+)?\s*:(?!:)", re.MULTILINE)
 
 FORM = ('Answer with JSON only: {"tool_calls": [{"name": <a tool\'s name>, "arguments": <its arguments>}]} '
         'to call tools')
@@ -155,6 +168,10 @@ def _call_schema(function: dict) -> dict:
 
 
 def _compile(schema: dict, param: str) -> str:
+    size = len(json.dumps(schema))
+    if size > MAX_SCHEMA_BYTES:
+        raise Refused(400, f"{param}: the schema is {size} bytes as JSON, over this server's limit of "
+                      f"{MAX_SCHEMA_BYTES}", "schema_too_large", param)
     try:
         return grammars.json_schema(schema)
     except grammars.GrammarError as exc:
@@ -163,6 +180,13 @@ def _compile(schema: dict, param: str) -> str:
 
 def _lark(text: str) -> str:
     """llama-server's `grammar` is GBNF; Lark is taken too (llguidance's own)."""
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise Refused(400, f"the grammar is {len(text)} characters, over this server's limit of "
+                      f"{MAX_GRAMMAR_CHARS}", "grammar_too_large", "grammar")
+    rules = len(RULE.findall(text))
+    if rules > MAX_GRAMMAR_RULES:
+        raise Refused(400, f"the grammar has {rules} rules, over this server's limit of {MAX_GRAMMAR_RULES}",
+                      "grammar_too_large", "grammar")
     try:
         return grammars.lark(any_to_lark(text))
     except Exception as exc:      # the converter and compiler raise their own types
