@@ -107,6 +107,20 @@ def test_lru_eviction_holds_the_size_limit(tmp_path):
     assert keys[2] not in left and keys[1] in left              # 1 was used after 2 was stored
 
 
+@pytest.mark.unit
+def test_a_full_folder_evicts_from_the_owner_holding_the_most(tmp_path):
+    """Issue 63: the disk tier evicted least recently used across all keys, so one key
+    storing fast pushed every other key's prefixes out. Key B's one entry, the oldest,
+    stays; key A, holding the most, loses its own oldest."""
+    cache = PrefixCache(tmp_path, max_bytes=10_000)
+    b = cache.store(fake_snapshot(4, 2000, 0), {"owner": "b"})
+    a = [cache.store(fake_snapshot(4, 2000, i), {"owner": "a"}) for i in range(1, 5)]
+    left = {e.key for e in cache.entries()}
+    assert cache.total_bytes() <= 10_000
+    assert b in left and a[0] not in left and set(a[1:]) <= left
+    assert {e.owner for e in cache.entries()} == {"a", "b"}
+
+
 LIMIT = 600_000   # ~170 of the 1,000 entries fit
 
 

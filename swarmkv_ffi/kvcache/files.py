@@ -17,8 +17,8 @@ Safe with several processes: files are written to a temporary name and renamed; 
 and eviction hold an exclusive flock on the folder's lock file, reads a shared one; a
 reader that loses an entry to eviction just misses. An entry that fails its checks
 (truncated, wrong crc, another model, a sidecar of the wrong size or types) is deleted
-and reported as a miss, never used. Least-recently-used entries are evicted once the
-folder exceeds `max_bytes`.
+and reported as a miss, never used. Once the folder exceeds `max_bytes`, entries are
+evicted least recently used first, of the owner holding the most.
 
 A cache is optional, so its faults never cost an answer: open_optional() and offer() turn
 a folder that cannot be made, a full disk, a read-only folder, a quota or a file size
@@ -97,6 +97,7 @@ class Entry:
     created: float
     last_used: float
     mac: str = ""
+    owner: str = ""        # the signature's owner (the disk tier's per-key name); "" for the fan-out
 
     @classmethod
     def read(cls, path: Path) -> "Entry":
@@ -104,8 +105,8 @@ class Entry:
         the right fields and types, whose key is its file name."""
         data = json.loads(read_regular(path, SIDECAR_MAX))
         types = {"key": str, "model": str, "n_tokens": int, "nbytes": int, "head": str,
-                 "created": (int, float), "last_used": (int, float), "mac": str}
-        if not isinstance(data, dict) or set(data) - set(types) or not set(types) - {"mac"} <= set(data):
+                 "created": (int, float), "last_used": (int, float), "mac": str, "owner": str}
+        if not isinstance(data, dict) or set(data) - set(types) or not set(types) - {"mac", "owner"} <= set(data):
             raise ValueError(f"{path.name}: not a sidecar")
         if not all(isinstance(data[k], types[k]) and not isinstance(data[k], bool) for k in data):
             raise ValueError(f"{path.name}: a field of the wrong type")
@@ -325,7 +326,8 @@ class PrefixCache:
         h = snapshot.header
         key = self.key(h.model_fingerprint, signature, snapshot.tokens)
         now = time.time()
-        entry = Entry(key, h.model_name, h.n_tokens, snapshot.nbytes, head[:120], now, now)
+        entry = Entry(key, h.model_name, h.n_tokens, snapshot.nbytes, head[:120], now, now,
+                      owner=str(signature.get("owner", ""))[:64])
         with self._locked(exclusive=True):
             self._sweep()
             path = self._snap(key)
@@ -401,14 +403,23 @@ class PrefixCache:
         return sum(os.lstat(p).st_size for p in self.root.glob("*.snap") if KEY.match(p.stem))
 
     def _evict(self) -> None:
-        """Remove least-recently-used entries until the folder fits max_bytes (lock held)."""
+        """Remove entries until the folder fits max_bytes (lock held): the least recently
+        used of the owner holding the most bytes, so that one API key storing fast cannot
+        push every other key's prefixes off the disk (the host tier takes alike). Entries
+        without an owner (the fan-out's) are one owner between them: plain LRU."""
         entries = self.entries()
         total = sum(e.nbytes for e in entries)
-        for e in reversed(entries):
-            if total <= self.max_bytes:
-                break
+        held: dict[str, int] = {}
+        for e in entries:
+            held[e.owner] = held.get(e.owner, 0) + e.nbytes
+        oldest_first = list(reversed(entries))
+        while total > self.max_bytes and oldest_first:
+            heaviest = max(held, key=held.get)
+            e = next(e for e in oldest_first if e.owner == heaviest)
+            oldest_first.remove(e)
             self._unlink(e.key)
             total -= e.nbytes
+            held[heaviest] -= e.nbytes
 
     def _sweep(self) -> None:
         """Remove what dead writers left (lock held): before a store, so that their bytes
