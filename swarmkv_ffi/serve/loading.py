@@ -45,7 +45,7 @@ class Loadable:
         self.failures = 0                      # loads that failed, ever
         self.uses = 0                          # requests holding it loaded
         self.waiting = 0                       # requests waiting for it to load
-        self.fresh = False                     # loaded for waiting requests, none served yet
+        self.owed = 0                          # requests that waited for its load, not yet served
         self.expires = FOREVER                 # when it is unloaded if still idle (time.monotonic)
         self.last_used = 0.0
         self.loads = self.unloads = 0
@@ -118,7 +118,7 @@ class Loader:
                         raise Refused(503, "the server is stopping", "server_stopping")
                     if entry.state == LOADED:
                         entry.uses += 1
-                        entry.fresh = False
+                        entry.owed = max(0, entry.owed - 1)
                         self._cond.notify_all()
                         return Use(self, entry, keep_alive)
                     if entry.state == FAILED and entry.failures > failures:
@@ -138,6 +138,7 @@ class Loader:
         finally:
             with self._cond:
                 entry.waiting -= 1
+                entry.owed = min(entry.owed, entry.waiting)     # one that gave up is owed nothing
                 self._cond.notify_all()
 
     def release(self, entry: Loadable, keep_alive: float | None) -> None:
@@ -218,7 +219,7 @@ class Loader:
                         503, f"the model `{entry.spec.name}` does not fit the memory budget beside the models "
                         f"that stay loaded ({denied})", "model_does_not_fit", "model"))
                     return False
-                idle, served = [e for e in others if e.idle], [e for e in others if not e.fresh]
+                idle, served = [e for e in others if e.idle], [e for e in others if not e.owed]
                 if idle or served:
                     victim = min(idle, key=lambda e: e.last_used) if idle else min(served, key=lambda e: e.uses)
                     break
@@ -236,7 +237,7 @@ class Loader:
     def _opened(self, entry: Loadable, hosted: HostedModel) -> None:
         with self._cond:
             entry.hosted, entry.state, entry.loads = hosted, LOADED, entry.loads + 1
-            entry.fresh = entry.waiting > 0
+            entry.owed = entry.waiting
             entry.bounds = (hosted.max_context, hosted.longest_token)
             entry.expires = time.monotonic() + entry.spec.keep_alive    # loaded for nothing: not forever
             entry.last_used = time.monotonic()
