@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from swarmkv_ffi.bench import servers
 from swarmkv_ffi.bench.peer import HttpServer
 
 MODEL = "smollm2-135m"
@@ -23,3 +24,10 @@ class Serve(HttpServer):
     def client(self, key: str = "none"):
         from openai import OpenAI
         return OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=300)
+
+
+def scrape(server, key: str | None) -> dict:
+    """{(name, labels as a sorted tuple): value} of one scrape with `key` (the `model`
+    label left out: these servers host one)."""
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model"))): s.value
+            for s in servers.scrape(server, key)}

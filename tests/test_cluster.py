@@ -95,7 +95,8 @@ def served(three_nodes, tmp_path_factory):
     cluster, _ = three_nodes
     log = tmp_path_factory.mktemp("serve-ray") / "serve.log"
     with Serve("--ray", cluster.address, "--replicas", "2", "--threads", "1", "--exact", "--ctx-size", "4096",
-               "--parallel", "8", "--max-requests-per-key", "8", "--api-key", RAY_KEY, log=log) as server:
+               "--parallel", "8", "--max-requests-per-key", "8", "--api-key", RAY_KEY, "--read-timeout", "3",
+               log=log) as server:
         yield server, log
 
 
@@ -243,3 +244,33 @@ def test_the_ingress_checks_the_key_first_and_counts_its_quota_over_every_replic
     running.close()
     time.sleep(1)
     assert client.completions.create(model="smollm2-135m", prompt="Hello", max_tokens=2).choices
+
+
+def test_the_ingress_reads_two_bodies_of_a_key_at_a_time(served):
+    """Two of a key's requests whose bodies never come hold its two gates until
+    --read-timeout (3 s, then a 408 each); a third request of the key waits meanwhile with
+    its body unread (the ingress read and parsed every body of a key at once, before
+    counting any), and is answered only after the first 408."""
+    import socket
+    import threading
+
+    server, _ = served
+    stalled = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(2)]
+    for s in stalled:
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {RAY_KEY}\r\n"
+                  "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": ".encode())
+    time.sleep(0.5)
+    answered = []
+    third = threading.Thread(target=lambda: answered.append((server.client(RAY_KEY).models.list(), time.monotonic())))
+    third.start()
+    try:
+        stalled[0].settimeout(30)
+        first_408 = stalled[0].recv(4096)
+        refused_at = time.monotonic()
+        third.join(timeout=30)
+        assert first_408.startswith(b"HTTP/1.1 408"), first_408[:200]
+        assert answered and answered[0][0].data and answered[0][1] >= refused_at - 0.05
+    finally:
+        for s in stalled:
+            s.close()
+

@@ -37,7 +37,8 @@ LAYERS: list[list[str]] = [
     ["lmxd.protocol", "lmxd.lines", "lmxd.client"],                     # lmxd's front: the line protocol
     ["lmxd.access", "lmxd.server"],                                     # ... the socket server
     ["serve", "serve.schemas", "serve.keys", "serve.text", "serve.routing", "serve.templates",
-     "serve.guard", "serve.metrics", "serve.sizing", "serve.lineup", "serve.volatile", "serve.stored", "serve.telemetry"],
+     "serve.guard", "serve.metrics", "serve.sizing", "serve.lineup", "serve.volatile", "serve.stored", "serve.telemetry",
+     "serve.churn"],
     ["serve.errors", "serve.settings", "serve.structured"],
     ["serve.hosted"],                                                   # one model: its pool, tier, size
     ["serve.loading"],                                                  # load on demand, unload when idle

@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from serve_process import MODEL, Serve
+from serve_process import MODEL, Serve, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -185,6 +185,66 @@ def test_making_room_never_evicts_the_prefix_the_request_forks(tmp_path):
         ask(client, chat(newer, "Who may use the work?"))
         assert cached(ask(client, chat(older, "Is there a warranty?"))) > 400
         assert cached(ask(client, chat(newer, "Is there a warranty?"))) < 100
+
+
+def unread_stream(port: int, key: str, n: int, max_tokens: int) -> socket.socket:
+    """A streamed request of n choices with 20 logprobs a token and end-of-text forbidden
+    (about 2 KiB a token a choice), on a socket that reads nothing and takes little."""
+    payload = json.dumps({"model": MODEL, "n": n, "max_tokens": max_tokens, "stream": True, "logprobs": True,
+                          "top_logprobs": 20, "logit_bias": {"0": -100, "2": -100},
+                          "messages": [{"role": "user", "content": "Tell a long story."}]}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+def until(condition, within: float, every: float = 0.5) -> float:
+    """Seconds until `condition()` held, polled; fails past `within`."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < within, "the condition never held"
+        time.sleep(every)
+    return time.monotonic() - start
+
+
+def read_to_the_end(sock: socket.socket, within: float) -> bytes:
+    """What the server sent, until it closed or reset the connection (a timeout past
+    `within` seconds of silence fails)."""
+    sock.settimeout(within)
+    received = bytearray()
+    try:
+        while chunk := sock.recv(1 << 20):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    return bytes(received)
+
+
+def test_a_stream_left_unread_counts_against_its_key_until_it_is_cut_off(tmp_path):
+    """Key A streams 4 choices of 600 tokens (about 5 MiB with logprobs) and reads none of
+    it. Its choices end, but the answer is still unsent: they count against A (its next
+    request is a 429; they used to drop to 0, so a key could keep starting streams whose
+    output piled up unread), B is served. Once the connection's buffer has been full for
+    --send-timeout the server aborts it, and A may run again."""
+    with Serve("--ctx-size", "4096", "--parallel", "8", "--api-key-file", str(two_keys(tmp_path)),
+               "--max-requests-per-key", "4", "--send-timeout", "20", log=tmp_path / "serve.log") as server:
+        a, b = server.client(KEY_A), server.client(KEY_B)
+        figures = lambda: scrape(server, KEY_A)
+        sock = unread_stream(server.port, KEY_A, n=4, max_tokens=600)
+        try:
+            until(lambda: figures()[("swarmkv_generation_tokens_total", ())] == 4 * 600, within=120)
+            assert figures()[("swarmkv_requests_running", ())] == 4
+            with pytest.raises(openai.RateLimitError, match="4 choices running"):
+                ask(a, [{"role": "user", "content": "Say hi."}])
+            assert ask(b, [{"role": "user", "content": "Say hi."}]).choices[0].message.content
+            until(lambda: figures()[("swarmkv_requests_running", ())] == 0, within=40)
+            assert ask(a, [{"role": "user", "content": "Say hi."}]).choices[0].message.content
+            assert b"[DONE]" not in read_to_the_end(sock, within=10)[-4096:]     # cut off, not finished
+        finally:
+            sock.close()
 
 
 def health(server) -> tuple[int, dict]:

@@ -105,6 +105,33 @@ def test_requests_queue_during_a_load_and_models_in_steady_use_take_turns(tmp_pa
         assert by_label(server, "swarmkv_model_unloads_total")["smol"] == 1
 
 
+def test_a_key_that_unloads_another_keys_model_pays_for_it(tmp_path, models_dir):
+    """Memory for one model, two keys: Bob asks Gemma for one token before each of Alice's
+    questions to SmolLM2 (this made Alice wait for SmolLM2's reload every time, its
+    cached document gone: p50 0.04 s -> 1.5 s). Bob's first request unloads SmolLM2 and
+    is charged; SmolLM2 comes back for Alice free; Bob's next ones within the window are
+    429 with Retry-After, so SmolLM2 is loaded twice in all and Alice's document stays
+    cached. One key alternating models alone pays nothing (the test above)."""
+    keys = tmp_path / "keys"
+    keys.write_text("key-alice-0123456 alice\nkey-bob-01234567 bob\n")
+    doc = "Answer from this text.\n" + APACHE[:1500]
+    with serve(tmp_path, "--models-dir", str(models_dir), "--budget-bytes", ONE_MODEL_BUDGET,
+               "--api-key-file", str(keys), "--metrics-key", "key-operator-0123") as server:
+        alice, bob = server.client("key-alice-0123456"), server.client("key-bob-01234567")
+        ask(alice, "smol", doc)
+        ask(bob, "gemma", max_tokens=1)
+        cached = []
+        for _ in range(3):
+            cached.append(ask(alice, "smol", doc).usage.prompt_tokens_details.cached_tokens)
+            with pytest.raises(openai.RateLimitError, match="unloaded a model they were using") as refused:
+                ask(bob, "gemma", max_tokens=1)
+            assert refused.value.code == "model_churn"
+            assert 0 < int(refused.value.response.headers["retry-after"]) <= 60
+        assert by_label(server, "swarmkv_model_loads_total", key="key-operator-0123") == \
+            {"broken": 0, "gemma": 1, "smol": 2}
+        assert cached[0] == 0 and min(cached[1:]) > 300
+
+
 def test_keep_alive_zero_unloads_after_the_answer(tmp_path, models_dir):
     with serve(tmp_path, "--models-dir", str(models_dir)) as server:
         client = server.client()

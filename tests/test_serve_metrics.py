@@ -9,9 +9,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from serve_process import MODEL, Serve
+from serve_process import MODEL, Serve, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -27,18 +26,6 @@ def server(tmp_path_factory):
     with Serve("--ctx-size", "8192", "--parallel", "40", "--api-key-file", str(keys),
                "--metrics-key", OPERATOR, log=folder / "serve.log") as s:
         yield s
-
-
-def scrape(server, key: str | None) -> dict:
-    """{(name, labels as a sorted tuple): value} of one scrape with `key` (the `model`
-    label left out: these servers host one)."""
-    request = urllib.request.Request(server.url + "/metrics",
-                                     headers={"Authorization": f"Bearer {key}"} if key else {})
-    with urllib.request.urlopen(request, timeout=60) as reply:
-        assert reply.headers["Content-Type"].startswith("text/plain")
-        text = reply.read().decode()
-    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model"))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def steps_over(figures: dict, rows: int) -> float:

@@ -266,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="which to run, of those and keys, scale, tiers, preempt, models, apis (default: all but those six)")
     ap.add_argument("--attacks", default="idle,flood,big,body",
                     help="the keys scenario's attacks, of idle, flood, big, body (default: all)")
-    ap.add_argument("--keys-rows", default="together,attacks,oracle",
-                    help="the keys scenario's rows, of together, attacks, oracle (default: all)")
+    ap.add_argument("--keys-rows", default="together,attacks,oracle,churn",
+                    help="the keys scenario's rows, of together, attacks, oracle, churn (default: all)")
     ap.add_argument("--scale-agents", default="16,64,128,256", help="the scale scenario's N (default: %(default)s)")
     ap.add_argument("--scale-server-max", type=int, default=16,
                     help="the largest N llama-server runs in scale (default: %(default)s)")
@@ -281,8 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
     from .serve_keys import ATTACKS
-    if not set(args.attacks.split(",")) <= set(ATTACKS) or not set(args.keys_rows.split(",")) <= {"together", "attacks", "oracle"}:
-        ap.error(f"--attacks takes some of {', '.join(ATTACKS)}; --keys-rows some of together, attacks, oracle")
+    keys_rows = {"together", "attacks", "oracle", "churn"}
+    if not set(args.attacks.split(",")) <= set(ATTACKS) or not set(args.keys_rows.split(",")) <= keys_rows:
+        ap.error(f"--attacks takes some of {', '.join(ATTACKS)}; --keys-rows some of together, attacks, oracle, churn")
     if {"at_once", "one_by_one", "turns", "structured", "scale", "models", "tiers", "apis"} & set(wanted):   # (exact and overhead: ours alone)
         args.server = server_binary(args.server, "swarmkv bench serve")
         if args.server is None:

@@ -19,12 +19,18 @@
               chosen on the first half of the rounds, scores the second half (the target
               is at most 60 %; chance is 50 %). The same rounds with key A's own key as the
               guesser are the control: there the cache is shared and the guess is right.
+    churn     memory for one of two models (--model and Gemma 3 270M, CHURN_BUDGET): key B
+              asks Gemma for one token before each of key A's questions to --model, on a
+              server with --model-churn-window 0 (nobody charged, as before) and one with
+              the default: the victim's p50/p99, its model's loads, its cached tokens, and
+              the attacker's requests refused (429 model_churn)
 
 Both keys are driven by the official `openai` client; the attacker through threads that
 run until the victim's last request has been answered.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import statistics
@@ -33,15 +39,21 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from .measure import at_once
 from .peer import HttpServer, log
+from .servers import by_label
 from .servers import openai_client as client
 
 KEY_A, KEY_B = "bench-key-a-0123456789", "bench-key-b-0123456789"
+KEY_OPERATOR = "bench-key-operator-0123"        # --metrics-key: the whole server's figures
 ATTACKS = ("idle", "flood", "big", "body")
 #: The attacker's requests in flight in `flood`: its quota on the bench's servers (--parallel 64, two keys).
 FLOOD = 32
+#: A memory budget that holds SmolLM2-135M or Gemma 3 270M with a pool of CHURN_CELLS,
+#: never both (tests/test_serve_loading.py measured 258 and 832 MiB booked).
+CHURN_BUDGET, CHURN_CELLS, CHURN_OTHER = 1000 << 20, 2048, "gemma3-270m"
 
 
 def keyed_server(args, key_file, cells: int) -> HttpServer:
@@ -212,6 +224,49 @@ def oracle_row(args, key_file, make_doc, cells: int) -> dict:
     return row
 
 
+def churn_row(args, key_file, doc: str, questions: list[str]) -> dict:
+    """Key B's 1-token request to a second model before each of key A's questions, on a
+    server charging nobody for churn and on one with the default window. Both models load
+    on demand, from a folder of links (--models-dir: a file's stem is its model's name)."""
+    import openai
+
+    from .. import catalog
+    row = {"scenario": "keys_churn", "budget_bytes": CHURN_BUDGET, "cells": CHURN_CELLS, "other_model": CHURN_OTHER}
+    folder = key_file.parent / "models"
+    folder.mkdir(exist_ok=True)
+    for name in (args.model, CHURN_OTHER):
+        link = folder / f"{Path(name).stem}.gguf"
+        if not link.exists():
+            link.symlink_to(catalog.resolve(name))
+    mine = Path(args.model).stem
+    for label, window in (("window_0", "0"), ("default", None)):
+        flags = ["--models-dir", str(folder), "--threads", str(args.threads), "--ctx-size", str(CHURN_CELLS),
+                 "--parallel", "8", "--host-cache-mib", "0", "--budget-bytes", str(CHURN_BUDGET),
+                 "--api-key-file", str(key_file), "--metrics-key", KEY_OPERATOR]
+        flags += [] if window is None else ["--model-churn-window", window]
+        with HttpServer(lambda port: [sys.executable, "-m", "swarmkv_ffi.cli", "serve", "--port", str(port), *flags],
+                        "swarmkv serve") as server:
+            a, b = client(server, KEY_A), client(server, KEY_B)
+            asked = argparse.Namespace(**{**vars(args), "model": mine})
+            victim(a, asked, doc, questions[:1])
+            refused, times, cached = 0, [], []
+            for q in questions:
+                try:
+                    b.chat.completions.create(model=CHURN_OTHER, max_tokens=1, messages=[{"role": "user", "content": "Hi."}])
+                except openai.RateLimitError:
+                    refused += 1
+                one = victim(a, asked, doc, [q])
+                times.append(one["p50_s"]), cached.extend(one["cached_tokens"])
+            loads = by_label(server, "swarmkv_model_loads_total", key=KEY_OPERATOR).get(mine)
+        ordered = sorted(times)
+        row[label] = {"p50_s": statistics.median(times), "p99_s": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+                      "victim_model_loads": loads, "cached_tokens": cached, "attacker_refused": refused}
+        log(f"keys churn ({label}): victim p50 {row[label]['p50_s'] * 1e3:.0f} ms, p99 {row[label]['p99_s'] * 1e3:.0f} ms, "
+            f"{mine} loaded {loads:.0f} times, cached {min(cached, default=0)}..{max(cached, default=0)}, "
+            f"attacker refused {refused}/{len(questions)}")
+    return row
+
+
 def guess_score(samples: list[dict]) -> dict:
     """The best threshold on the first half of `samples` (fast = cached), scored on the second."""
     half = len(samples) // 2
@@ -226,7 +281,6 @@ def keys_rows(args, make_doc, questions: list[str], n_ctx_train: int) -> list[di
     """Both rows, on servers whose pool holds both keys' agents; make_doc(name): a
     document of --doc-tokens; n_ctx_train: the model's, which bounds a request."""
     import tempfile
-    from pathlib import Path
     cells = 2 * args.n * (args.doc_tokens + 128 + args.gen)
     with tempfile.TemporaryDirectory() as folder:
         key_file = Path(folder) / "keys"
@@ -237,4 +291,5 @@ def keys_rows(args, make_doc, questions: list[str], n_ctx_train: int) -> list[di
         return ([together_row(args, key_file, docs, asked, cells)] if "together" in rows else []) + \
             ([attacks_row(args, key_file, docs[KEY_A], questions, cells, min(cells, n_ctx_train) - 1)]
              if "attacks" in rows else []) + \
-            ([oracle_row(args, key_file, make_doc, cells)] if "oracle" in rows else [])
+            ([oracle_row(args, key_file, make_doc, cells)] if "oracle" in rows else []) + \
+            ([churn_row(args, key_file, docs[KEY_A], questions)] if "churn" in rows else [])

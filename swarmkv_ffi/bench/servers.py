@@ -20,20 +20,23 @@ def ours(args, cells: int | None, exact: bool = False, extra: tuple[str, ...] = 
                       + (["--exact"] if exact else []) + list(extra), "swarmkv serve")
 
 
-def scrape(server) -> list:
-    """Every sample of one scrape of our server's /metrics (a server without keys shows all)."""
+def scrape(server, key: str | None = None) -> list:
+    """Every sample of one scrape of our server's /metrics with `key` (a server without
+    keys, or its --metrics-key, shows all; another key its own figures)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
-    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as reply:
+    request = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert reply.headers["Content-Type"].startswith("text/plain")
         text = reply.read().decode()
     return [s for family in text_string_to_metric_families(text) for s in family.samples]
 
 
-def by_label(server, name: str, by: str = "model", **labels: str) -> dict[str, float]:
-    """{its `by` label: value} of the samples of one scrape called `name` whose other
-    labels are `labels`."""
-    return {s.labels[by]: s.value for s in scrape(server)
+def by_label(server, name: str, by: str = "model", key: str | None = None, **labels: str) -> dict[str, float]:
+    """{its `by` label: value} of the samples of one scrape (with `key`) called `name`
+    whose other labels are `labels`."""
+    return {s.labels[by]: s.value for s in scrape(server, key)
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())}
 
 

@@ -4,6 +4,10 @@ A request with n choices over P prompts is P x n Jobs (engine.py). Each runs on 
 of its own (the engine blocks until its choice ends); the tokens it generates are turned
 into text as they come (text.py: stop strings) on the scheduler's thread, and handed to
 the event loop through a queue only when the response streams.
+
+A choice counts against its key (engine.admit) from start() until it has ended and, for a
+stream, until the stream is done with (sent()): a client that reads nothing cannot have
+its key's output pile up beyond its quota while new requests start.
 """
 from __future__ import annotations
 
@@ -54,6 +58,8 @@ class Call:
         self.choices: list[Choice] = []
         self.jobs: list[Job] = []
         self._left = 0                    # choices not ended
+        self._held = 0                    # choices ended that a stream not yet sent still counts
+        self._sent = not body.stream      # the answer is out of our hands (a whole answer: at its end)
         self._lock = threading.Lock()
         self.started = time.perf_counter()
 
@@ -114,10 +120,12 @@ class Call:
             choice.error = refused(exc)
         finally:
             self.engine.tally.ended(self.owner, choice.result, len(job.tokens), choice.index % self.body.n == 0)
-            self.engine.leave(self.owner, 1)
             with self._lock:
                 self._left -= 1
-                last = not self._left
+                last, held = not self._left, not self._sent
+                self._held += held
+            if not held:
+                self.engine.leave(self.owner, 1)
             if last:
                 self.use.release()
             self.loop.call_soon_threadsafe(self.queue.put_nowait, ("end", choice, None))
@@ -125,6 +133,18 @@ class Call:
     def cancel(self) -> None:
         for job in self.jobs:
             job.cancelled.set()
+
+    def sent(self) -> None:
+        """The stream is done with: its last byte handed to the connection, or the client
+        gone (or cut off for reading nothing: guard.py). Choices still running are cancelled;
+        the ended ones stop counting against the key (the others will as they end)."""
+        self.cancel()
+        with self._lock:
+            if self._sent:
+                return
+            self._sent, held, self._held = True, self._held, 0
+        if held:
+            self.engine.leave(self.owner, held)
 
     async def events(self):
         """(kind, choice, text) until every choice has ended: 'text' pieces, then 'end'."""

@@ -60,7 +60,8 @@ class ServeEngine:
         self.memory = None if conductor is not None else DeviceMemory(budget_bytes=budget_bytes)
         self.conductor = conductor or Conductor(Ledger(self.memory.budget), n_threads=threads,
                                                 policy=Policy(lone_step_seconds=None))
-        self.models = Loader(settings.specs(), self._open, shared=len(keys.mapping()) > 1)
+        self.models = Loader(settings.specs(), self._open, shared=len(keys.mapping()) > 1,
+                             churn_window=settings.model_churn_window)
         self.host_bytes = sizing.host_cache_bytes(settings.host_cache_mib) // len(self.models.entries)
         try:
             cache = PrefixCache.open_optional(settings.cache_dir) if settings.cache_dir is not None else None
@@ -111,7 +112,7 @@ class ServeEngine:
         entry = self.model_named(name)
         self.admit(owner, 1)
         try:
-            return await self.models.use(entry, keep_alive)
+            return await self.models.use(entry, keep_alive, owner)
         finally:
             self.leave(owner, 1)
 

@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import math
+
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -32,9 +34,11 @@ ANTHROPIC_PATHS = "/v1/messages"
 class Refused(Exception):
     """A request the server will not run; `status` is the HTTP status it maps to."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 retry_after: float | None = None):
         super().__init__(message)
         self.status, self.code, self.param = status, code, param
+        self.retry_after = retry_after        # seconds, sent as Retry-After (the openai client honours it)
 
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
@@ -49,15 +53,16 @@ def anthropic_error_body(status: int, message: str) -> dict:
 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
-                   path: str = "") -> JSONResponse:
+                   path: str = "", headers: dict | None = None) -> JSONResponse:
     """The error as the API at `path` writes it: Anthropic's under /v1/messages, else OpenAI's."""
     if path.startswith(ANTHROPIC_PATHS):
-        return JSONResponse(anthropic_error_body(status, message), status_code=status)
-    return JSONResponse(error_body(status, message, code, param), status_code=status)
+        return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
 def refused_response(exc: Refused, path: str = "") -> JSONResponse:
-    return error_response(exc.status, str(exc), exc.code, exc.param, path)
+    headers = None if exc.retry_after is None else {"Retry-After": str(math.ceil(exc.retry_after))}
+    return error_response(exc.status, str(exc), exc.code, exc.param, path, headers)
 
 
 def validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:

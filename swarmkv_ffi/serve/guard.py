@@ -1,4 +1,4 @@
-"""Connections that send nothing cannot lock the server: uvicorn's protocol, with a deadline.
+"""Connections that send or take nothing cannot lock the server: uvicorn's protocol, with deadlines.
 
 uvicorn has a keep-alive timeout, but none for a connection that opens and never sends
 its request (or sends half its headers): such a connection costs nothing to hold and,
@@ -16,12 +16,17 @@ extended by two rules:
   large_client_header_buffers and Node's limit are of that order), counted as they
   arrive, before any key is read: past it the answer is a 431 and the connection closes.
   httptools keeps an unfinished header in memory whole, so without a cap four connections
-  each sending one endless header line held 192 MiB within seconds.
+  each sending one endless header line held 192 MiB within seconds;
+- a connection whose write buffer stays full for `send_timeout` seconds (its client reads
+  nothing of an answer the server has more of) is aborted, its unsent bytes dropped: the
+  route sees the client gone and cancels the request. Without it a stream never read kept
+  its output queued for as long as the socket stayed open.
 
 The body's deadline is the route's (routes.capped_body). uvicorn documents `http=` as
 taking a protocol class; both of its HTTP/1.1 protocols start a new request cycle once
 a request's headers are complete and call on_response_complete when it has been
-answered, which is all this relies on.
+answered, and asyncio calls pause_writing/resume_writing as the write buffer passes its
+high and low water marks, which is all this relies on.
 """
 from __future__ import annotations
 
@@ -45,13 +50,14 @@ def too_large() -> bytes:
 
 
 def protocol(header_timeout: float, idle_per_address: int, base: type = AutoHTTPProtocol,
-             header_bytes: int = HEADER_BYTES) -> type:
-    """uvicorn's HTTP protocol class `base` with the three rules above."""
+             header_bytes: int = HEADER_BYTES, send_timeout: float = 30.0) -> type:
+    """uvicorn's HTTP protocol class `base` with the four rules above."""
     waiting: dict[str, dict] = {}        # address -> its connections without a request, oldest first
 
     class Guarded(base):
         _timer = None
         _header_seen = 0                 # bytes received while this request's headers are unfinished
+        _stalled = None                  # the send deadline, while the write buffer is full
 
         def data_received(self, data: bytes) -> None:
             """Parse, then count what arrived if the headers are still unfinished (a chunk
@@ -77,7 +83,22 @@ def protocol(header_timeout: float, idle_per_address: int, base: type = AutoHTTP
 
         def connection_lost(self, exc) -> None:
             self._disarm()
+            self._unstall()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._stalled is None:
+                self._stalled = self.loop.call_later(send_timeout, self.transport.abort)
+
+        def resume_writing(self) -> None:
+            self._unstall()
+            super().resume_writing()
+
+        def _unstall(self) -> None:
+            if self._stalled is not None:
+                self._stalled.cancel()
+                self._stalled = None
 
         def _arm(self) -> None:
             """Start waiting for a request: the deadline, and a place in the address's queue."""

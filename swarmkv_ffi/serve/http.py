@@ -49,12 +49,14 @@ def server(engine: ServeEngine, config):
 
 def uvicorn_config(app, host: str, port: int, settings: Settings, verbose: int):
     """No limit_concurrency (idle sockets counted in it locked everyone out; the engine's
-    admission caps the work), and guard.py's deadline on a request's headers."""
+    admission caps the work), and guard.py's deadlines on a request's headers and on an
+    answer left unread."""
     import uvicorn
     guard.raise_open_files_limit()
     return uvicorn.Config(app, host=host, port=port, log_level="info" if verbose > 1 else "warning",
                           access_log=verbose > 1, limit_concurrency=None,
-                          http=guard.protocol(settings.read_timeout, settings.idle_connections_per_address),
+                          http=guard.protocol(settings.read_timeout, settings.idle_connections_per_address,
+                                              send_timeout=settings.send_timeout),
                           timeout_keep_alive=5, timeout_graceful_shutdown=GRACE_S)
 
 

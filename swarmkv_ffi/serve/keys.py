@@ -10,11 +10,15 @@ blank lines and lines starting with # are skipped.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 from pathlib import Path
 
 OWNER_BASE = 1 << 40
 OPEN = OWNER_BASE
+
+#: Requests of one key read, parsed and tokenized at once (Gates).
+PREPARING_PER_KEY = 2
 
 
 class Keys:
@@ -64,6 +68,21 @@ class Keys:
 
     def name(self, owner: int) -> str:
         return "open" if owner == OPEN else self._keys[owner - OWNER_BASE - 1][1]
+
+
+class Gates:
+    """Each owner's gate to read, parse and tokenize a request: PREPARING_PER_KEY at a time,
+    the rest wait with their bodies unread (in the socket, not in memory), so one key's
+    large bodies hold at most that many bodies and worker threads. The single server's
+    routes and the Ray ingress each keep one (made on the event loop that uses it)."""
+
+    def __init__(self):
+        self._gates: dict[int, asyncio.Semaphore] = {}
+
+    def of(self, owner: int) -> asyncio.Semaphore:
+        if owner not in self._gates:
+            self._gates[owner] = asyncio.Semaphore(PREPARING_PER_KEY)
+        return self._gates[owner]
 
 
 def presented(headers) -> str | None:

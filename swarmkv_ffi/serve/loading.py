@@ -13,17 +13,21 @@ only: a request for a loaded model never waits for another model's load.
 
 A load that fails (a crafted file, a budget too small for the model) is that model's
 error: its waiting requests get it, the other models go on; the next request for it
-tries again (the file may have been replaced).
+tries again (the file may have been replaced). A load that would unload a model other
+keys are using is charged to a key that asked for it (churn.py); when every asking key
+has had its turn in the window, the load is refused to them (429).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
+import math
 import threading
 import time
 
 from ..conductor import LedgerDenied
+from .churn import Churn
 from .errors import Refused
 from .hosted import HostedModel
 from .lineup import FOREVER, ModelSpec, pools
@@ -48,6 +52,9 @@ class Loadable:
         self.owed = 0                          # requests that waited for its load, not yet served
         self.expires = FOREVER                 # when it is unloaded if still idle (time.monotonic)
         self.last_used = 0.0
+        self.used_by: dict = {}                # key -> when it last took or released a Use
+        self.waiting_by: collections.Counter = collections.Counter()   # key -> its requests waiting
+        self.paid_by = None                    # the key charged for the load under way (churn.py)
         self.loads = self.unloads = 0
         self.bounds: tuple[int, int] | None = None   # (max_context, longest token's chars) once loaded
         self.wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
@@ -62,15 +69,15 @@ class Use:
     """A request's hold on its loaded model; release() once, when the request has ended,
     with the request's keep_alive (None: the model's)."""
 
-    def __init__(self, loader: "Loader", entry: Loadable, keep_alive: float | None):
-        self.loader, self.entry, self.keep_alive = loader, entry, keep_alive
+    def __init__(self, loader: "Loader", entry: Loadable, keep_alive: float | None, owner=None):
+        self.loader, self.entry, self.keep_alive, self.owner = loader, entry, keep_alive, owner
         self.hosted = entry.hosted
         self._released = False
 
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self.loader.release(self.entry, self.keep_alive)
+            self.loader.release(self.entry, self.keep_alive, self.owner)
 
 
 class Loader:
@@ -78,12 +85,13 @@ class Loader:
     the thread that loads and unloads them. `shared`: several API keys use the server,
     so a request's keep_alive may keep a model longer than its own, never shorter (else
     one key's keep_alive 0 would throw away every key's cached prefixes, and time its
-    reloads to learn when the others ask)."""
+    reloads to learn when the others ask). `churn_window`: churn.py's window, seconds."""
 
-    def __init__(self, specs: list[ModelSpec], open_hosted, shared: bool = False):
+    def __init__(self, specs: list[ModelSpec], open_hosted, shared: bool = False, churn_window: float = 60.0):
         self.entries = [Loadable(group) for group in pools(specs)]
         self.named = {name: entry for entry in self.entries for name in entry.names}
         self._open, self.shared = open_hosted, shared
+        self.churn = Churn(churn_window)
         self._cond = threading.Condition()
         self._queue: collections.deque[Loadable] = collections.deque()
         self._stopping = False
@@ -103,14 +111,15 @@ class Loader:
             return [(e.names[0], e.hosted) for e in self.entries if e.state == LOADED]
 
     # ---- a request's side --------------------------------------------------------------------
-    async def use(self, entry: Loadable, keep_alive: float | None = None) -> Use:
-        """Hold `entry` loaded for one request: at once if it is, else after the loader
-        has loaded it (the request waits meanwhile, costing no thread). Raises the
-        load's Refused if the load this request waited for failed."""
+    async def use(self, entry: Loadable, keep_alive: float | None = None, owner=None) -> Use:
+        """Hold `entry` loaded for one of `owner`'s requests: at once if it is, else after
+        the loader has loaded it (the request waits meanwhile, costing no thread). Raises
+        the load's Refused if the load this request waited for failed."""
         loop = asyncio.get_running_loop()
         with self._cond:
             failures = entry.failures
             entry.waiting += 1
+            entry.waiting_by[owner] += 1
         try:
             while True:
                 with self._cond:
@@ -119,8 +128,9 @@ class Loader:
                     if entry.state == LOADED:
                         entry.uses += 1
                         entry.owed = max(0, entry.owed - 1)
+                        entry.used_by[owner] = time.monotonic()
                         self._cond.notify_all()
-                        return Use(self, entry, keep_alive)
+                        return Use(self, entry, keep_alive, owner)
                     if entry.state == FAILED and entry.failures > failures:
                         raise entry.error
                     if entry.state in (UNLOADED, FAILED):
@@ -138,14 +148,17 @@ class Loader:
         finally:
             with self._cond:
                 entry.waiting -= 1
+                entry.waiting_by[owner] -= 1
+                if not entry.waiting_by[owner]:
+                    del entry.waiting_by[owner]
                 entry.owed = min(entry.owed, entry.waiting)     # one that gave up is owed nothing
                 self._cond.notify_all()
 
-    def release(self, entry: Loadable, keep_alive: float | None) -> None:
-        """A request is done with `entry`: the last one starts its keep_alive."""
+    def release(self, entry: Loadable, keep_alive: float | None, owner=None) -> None:
+        """A request of `owner`'s is done with `entry`: the last one starts its keep_alive."""
         with self._cond:
             entry.uses -= 1
-            entry.last_used = time.monotonic()
+            entry.last_used = entry.used_by[owner] = time.monotonic()
             if entry.uses == 0:
                 keep = entry.spec.keep_alive
                 if keep_alive is not None:
@@ -187,6 +200,7 @@ class Loader:
 
     def _load(self, entry: Loadable) -> None:
         """Open `entry`, unloading idle models for room while the ledger has none."""
+        entry.paid_by = None
         while True:
             try:
                 hosted = self._open(entry.spec)
@@ -210,7 +224,10 @@ class Loader:
         so that a model in steady use cannot keep another out forever: when memory does
         not fit both, they take turns. A model loaded for waiting requests serves them
         first (else two models asked at once would unload each other before either
-        answered). False (the load failed) when nothing that may be unloaded is loaded."""
+        answered). A model others are using goes only at the cost of an asking key
+        (churn.py); a model free to unload is preferred. False (the load failed) when
+        nothing that may be unloaded is loaded, or when every asking key has displaced a
+        model within the churn window."""
         with self._cond:
             while True:
                 others = [e for e in self.entries if e is not entry and e.state == LOADED and not e.spec.pinned]
@@ -221,7 +238,18 @@ class Loader:
                     return False
                 idle, served = [e for e in others if e.idle], [e for e in others if not e.owed]
                 if idle or served:
-                    victim = min(idle, key=lambda e: e.last_used) if idle else min(served, key=lambda e: e.uses)
+                    now = time.monotonic()
+                    fee = {e: self.churn.payer(entry.spec.name, e.used_by, entry.waiting_by, now, entry.paid_by)
+                           for e in idle + served}
+                    cost = lambda e: fee[e][1] is not None or not fee[e][0]      # noqa: E731 (free first)
+                    victim = min(idle, key=lambda e: (cost(e), e.last_used)) if idle else \
+                        min(served, key=lambda e: (cost(e), e.uses))
+                    allowed, payer = fee[victim]
+                    if not allowed:
+                        return self._refuse_churn(entry, victim, now)
+                    if payer is not None:
+                        self.churn.charge(payer, victim.spec.name, now)
+                        entry.paid_by = payer
                     break
                 self._cond.wait(timeout=ROOM_WAIT_S)
                 if self._stopping:
@@ -233,6 +261,17 @@ class Loader:
                 return False
         self._unload(victim, why=f"room for {entry.spec.name}")
         return True
+
+    def _refuse_churn(self, entry: Loadable, victim: Loadable, now: float) -> bool:
+        """Fail `entry`'s load with a 429 for its waiting requests: each of their keys
+        unloaded a model others used within the churn window (the lock is held)."""
+        wait = math.ceil(self.churn.wait_s(entry.waiting_by, now))
+        self._failed(entry, Refused(
+            429, f"the model `{entry.spec.name}` is not loaded, and loading it would unload "
+            f"`{victim.spec.name}`, which other keys are using; this key unloaded a model they were using "
+            f"less than {self.churn.window:g} s ago (--model-churn-window): retry in {wait} s",
+            "model_churn", "model", retry_after=wait))
+        return False
 
     def _opened(self, entry: Loadable, hosted: HostedModel) -> None:
         with self._cond:

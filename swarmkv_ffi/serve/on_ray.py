@@ -205,12 +205,13 @@ class Replica:
 
 def ingress(settings: Settings, keys: dict[str, str]):
     """The ingress deployment: takes any request, checks its key before it reads the body
-    (capped, within --read-timeout), counts the key's choices against its quota across
-    every replica, and hands it to a replica, retrying once on another when the first
-    died before answering. The body is parsed (to route it) on a worker thread."""
+    (capped, within --read-timeout, two of a key's at a time as the single server does),
+    counts the key's choices against its quota across every replica, and hands it to a
+    replica, retrying once on another when the first died before answering. The body is
+    parsed (to route it) on a worker thread."""
     from ray import serve
 
-    from .keys import Keys
+    from .keys import Gates, Keys
     api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
     @serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
@@ -221,6 +222,7 @@ def ingress(settings: Settings, keys: dict[str, str]):
             self.keys = Keys(keys)
             self.per_key = settings.per_key(len(keys))
             self.running: dict[int, int] = {}       # owner -> choices in flight, on every replica
+            self.gates = Gates()                    # owner -> bodies read and parsed at once
             self.made: OrderedDict[tuple[int | None, str], str] = OrderedDict()   # (owner, response id) -> replica
 
         @api.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
@@ -230,12 +232,9 @@ def ingress(settings: Settings, keys: dict[str, str]):
             if who is None and not public:
                 return refused_response(Refused(401, "Incorrect API key provided", "invalid_api_key"))
             try:
-                async with asyncio.timeout(settings.read_timeout):
-                    body = await capped_body(request, settings.max_body_bytes)
-                forwarded = await asyncio.to_thread(Forwarded.of, request.method, request.url.path,
-                                                    request.url.query.encode(), request.headers.items(), body,
-                                                    settings.share_prefixes)
-                self._admit(who, forwarded.choices)
+                async with self.gates.of(who):
+                    forwarded = await self._read(request)
+                    self._admit(who, forwarded.choices)
                 forwarded.replica = self.made.get((who, forwarded.continues))
             except Refused as exc:
                 return refused_response(exc, request.url.path)
@@ -247,6 +246,13 @@ def ingress(settings: Settings, keys: dict[str, str]):
             except BaseException:
                 self._leave(who, forwarded.choices)
                 raise
+
+        async def _read(self, request: Request) -> Forwarded:
+            async with asyncio.timeout(settings.read_timeout):
+                body = await capped_body(request, settings.max_body_bytes)
+            return await asyncio.to_thread(Forwarded.of, request.method, request.url.path,
+                                           request.url.query.encode(), request.headers.items(), body,
+                                           settings.share_prefixes)
 
         def _admit(self, who: int | None, choices: int) -> None:
             if who is None:

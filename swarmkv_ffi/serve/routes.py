@@ -22,7 +22,7 @@ from .calls import Call
 from .engine import ServeEngine
 from .hosted import HostedModel
 from .errors import Refused, error_response, refused, validated
-from .keys import OPEN, Keys, bearer, presented
+from .keys import OPEN, Gates, Keys, bearer, presented
 from .metrics import CONTENT_TYPE as METRICS_TYPE
 from .metrics import render as metrics_text
 from .openai_responses import ResponsesRequest
@@ -37,10 +37,6 @@ API_OF = {"/v1/chat/completions": "chat", "/chat/completions": "chat", "/v1/resp
           "/responses": "responses", "/v1/messages": "messages"}
 
 
-#: Requests of one key read, parsed and tokenized at once (Served.preparing).
-PREPARING_PER_KEY = 2
-
-
 @dataclass
 class Served:
     """What the routes serve: the engine (every hosted model), the keys and the settings."""
@@ -48,7 +44,7 @@ class Served:
     keys: Keys
     settings: Settings
     created: int = field(default_factory=lambda: int(time.time()))
-    gates: dict[int, asyncio.Semaphore] = field(default_factory=dict)
+    gates: Gates = field(default_factory=Gates)
     stored: StoredResponses = field(init=False)    # the Responses API's stored responses (from settings)
 
     def __post_init__(self):
@@ -56,12 +52,8 @@ class Served:
         self.stored = StoredResponses(s.stored_responses, s.stored_responses_mib << 20, s.stored_responses_ttl)
 
     def preparing(self, owner: int) -> asyncio.Semaphore:
-        """The owner's gate to read, parse and tokenize a request: PREPARING_PER_KEY at
-        a time, the rest wait with their bodies unread (in the socket, not in memory),
-        so one key's large bodies hold at most that many worker threads."""
-        if owner not in self.gates:
-            self.gates[owner] = asyncio.Semaphore(PREPARING_PER_KEY)
-        return self.gates[owner]
+        """The owner's gate to read, parse and tokenize a request (keys.Gates)."""
+        return self.gates.of(owner)
 
 
 def served(request: Request) -> Served:
@@ -423,7 +415,7 @@ async def answer(request: Request, call: Call, shape):
     call.start()
     headers = getattr(shape, "headers", None)
     if call.body.stream:
-        return StreamingResponse(stream_events(call, shape), media_type="text/event-stream", headers=headers)
+        return Stream(call, stream_events(call, shape), headers)
     watcher = asyncio.create_task(watch_disconnect(request, call))
     try:
         async for _ in call.events():
@@ -442,20 +434,32 @@ async def watch_disconnect(request: Request, call: Call) -> None:
     call.cancel()        # the client left: its choices roll back, the others go on
 
 
+class Stream(StreamingResponse):
+    """A call's events as server-sent events. However the response ends (sent whole, the
+    client gone, cut off by guard.py's send deadline), the call hears it is done with:
+    until then its choices count against the key, so output nobody reads stays bounded
+    by the key's quota."""
+
+    def __init__(self, call: Call, events, headers):
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self.call = call
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self.call.sent()
+
+
 async def stream_events(call: Call, shape):
-    finished = False
-    try:
-        for event in shape.opening(call):
+    for event in shape.opening(call):
+        yield event
+    async for kind, choice, text in call.events():
+        if choice.error is not None and kind == "end":
+            yield shape.error(refused(choice.error))
+            continue
+        for event in (shape.piece(call, choice, text) if kind == "text" else shape.ending(call, choice)):
             yield event
-        async for kind, choice, text in call.events():
-            if choice.error is not None and kind == "end":
-                yield shape.error(refused(choice.error))
-                continue
-            for event in (shape.piece(call, choice, text) if kind == "text" else shape.ending(call, choice)):
-                yield event
-        for event in shape.closing(call):
-            yield event
-        finished = True
-    finally:
-        if not finished:
-            call.cancel()
+    for event in shape.closing(call):
+        yield event

@@ -42,6 +42,8 @@ class Settings:
     max_body_bytes: int = 8 << 20
     read_timeout: float = 30.0               # seconds to send a request's headers, and again its body
     idle_connections_per_address: int = 64   # connections without a request yet (guard.py)
+    send_timeout: float = 30.0               # seconds a client may leave its answer unread (guard.py)
+    model_churn_window: float = 60.0         # a key unloads others' model at most once in it (churn.py)
     metrics_key: str | None = None           # a scrape with it sees the whole server's /metrics
     stored_responses: int = 256              # the Responses API's stored responses per key (stored.py)
     stored_responses_mib: int = 64           # ... and their text, per key
@@ -94,9 +96,12 @@ class Settings:
         if self.stored_responses < 0 or self.stored_responses_mib < 0 or self.stored_responses_ttl <= 0:
             raise ValueError("--stored-responses and --stored-responses-mib must be >= 0 (0: none kept), "
                              "--stored-responses-ttl > 0 seconds")
-        if not 0 < self.read_timeout <= 3600 or self.idle_connections_per_address < 1:
-            raise ValueError("--read-timeout must be in (0, 3600] seconds and "
+        if not 0 < self.read_timeout <= 3600 or not 0 < self.send_timeout <= 3600 \
+                or self.idle_connections_per_address < 1:
+            raise ValueError("--read-timeout and --send-timeout must be in (0, 3600] seconds and "
                              "--idle-connections-per-address at least 1")
+        if not 0 <= self.model_churn_window <= 86400:
+            raise ValueError("--model-churn-window must be in [0, 86400] seconds (0: no limit)")
         lineup.check(self.specs())
         if self.chat_template_file is not None:
             if len(self.specs()) > 1:
@@ -212,6 +217,15 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
          help="a connection that has not sent a request's headers this long after opening (or after "
               "its last answer) is closed, and a body not sent whole within it is a 408 "
               "(default: %(default)s)")
+    flag("send-timeout", type=float, default=d.send_timeout, metavar="SECONDS",
+         help="a client that takes none of its answer for this long, while the server has more to "
+              "send, is cut off and its request ended; until then a stream's choices count against "
+              "its key, sent or not (default: %(default)s)")
+    flag("model-churn-window", type=float, default=d.model_churn_window, metavar="SECONDS",
+         help="where memory holds fewer models than are asked for: a key whose request unloads a model "
+              "other keys used within this window may do so once per window (later such requests get "
+              "429 with Retry-After), and the model it unloaded comes back for its users without "
+              "counting against them (default: %(default)s; 0: no limit)")
     flag("stored-responses", type=int, default=d.stored_responses, metavar="N",
          help="Responses API: responses kept per key for previous_response_id (store, on by default as "
               "OpenAI's); past N, or past --stored-responses-mib, the least recently used go "
