@@ -27,6 +27,7 @@ from typing import Callable
 from . import sandbox
 from .agents import Agent, Conductor, ConductorError, ContextFull, check_context, named_source
 from ..kvcache.tier import PrefixTier
+from ..grammar import Compiled
 from .modelfile import LoadableCopy
 from .pool import MAX_SEQS, Fixed, Kind, NoRoom
 from .scheduler import Run, Stopping
@@ -119,11 +120,12 @@ class RequestPool:
 
     def submit(self, owner: int, tokens: list[int], max_tokens: int, *, sampling: dict | None = None,
                top_logprobs: int | None = None, on_token: Callable[[int, object], bool] | None = None,
-               cancelled: threading.Event | None = None, grammar: str | None = None) -> Request:
+               cancelled: threading.Event | None = None, grammar: "str | Compiled | None" = None) -> Request:
         """Queue one request of `owner`'s. on_token(token, logprobs or None) runs on the
         scheduler's thread after each generated token and returns False to end the
         request there (a stop string); `cancelled`, once set, rolls it back; `grammar`
-        (grammar.py) constrains every token and ends the request once complete. Raises
+        (grammar.py: its text, or a Compiled one that several requests copy) constrains
+        every token and ends the request once complete. Raises
         ContextFull when it cannot fit, Stopping once the conductor stops."""
         if not tokens:
             raise ConductorError("BAD_REQUEST", "the prompt is empty")

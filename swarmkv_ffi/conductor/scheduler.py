@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..batch import Batch
-from ..grammar import Constraint, GrammarError
+from ..grammar import Compiled, Constraint, GrammarError
 from ..sampler import Sampler, logprobs
 from .common_prompts import PromptTrie
 from .policy import SLICE_SECONDS, Policy, StepCost
@@ -98,7 +98,7 @@ class Run:
     sampler: Sampler | None = None
     sampling: dict = field(default_factory=dict)   # Sampler settings (temp, top_p, seed)
     top_logprobs: int | None = None   # report each token's logprob and this many alternatives
-    grammar: str | None = None    # the output must follow it (grammar.py); constraint: its state
+    grammar: "str | Compiled | None" = None   # the output must follow it (grammar.py); constraint: its state
     constraint: Constraint | None = None
     completed: bool = False       # the grammar allowed nothing more: the output is whole
     on_token: Callable | None = None  # (token, logprobs or None) after each one; False ends the run

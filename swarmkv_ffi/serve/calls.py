@@ -77,7 +77,7 @@ class Call:
                 choice = Choice(p * n + k, TextStream(self.hosted.model, self.body.stops()))
                 job = Job(self.hosted, self.owner, tokens, self.max_tokens, self._on_token(choice),
                           sampling=self.body.settings(k, self.max_tokens), top_logprobs=self.body.ranked(),
-                          grammar=self.structure.grammar)
+                          grammar=self.structure.compiled or self.structure.grammar)
                 choice.job = job
                 self.choices.append(choice)
                 self.jobs.append(job)

@@ -42,7 +42,7 @@ class Job:
     on_token: Callable[[int, object], bool]
     sampling: dict = field(default_factory=dict)
     top_logprobs: int | None = None
-    grammar: str | None = None         # the output follows it (grammar.py)
+    grammar: object = None             # the output follows it: a grammar's text, or grammar.Compiled
     cancelled: threading.Event = field(default_factory=threading.Event)   # the client left
     stopped: bool = False              # cancelled because the server stops (engine.drain)
     request: Request | None = None     # once submitted: how much of the prompt was cached

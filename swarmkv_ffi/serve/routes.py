@@ -401,9 +401,11 @@ def check_length(hosted: HostedModel, n: int, what: str) -> None:
 
 
 def check_grammar(model, structure: structured.Structure) -> None:
+    """Compile the grammar for the model once (on the worker thread that builds the
+    prompt): every choice starts from a copy of it."""
     if structure.grammar is not None:
         try:
-            grammar.check(model, structure.grammar)
+            structure.compiled = grammar.Compiled(model, structure.grammar)
         except grammar.GrammarError as exc:
             raise Refused(400, f"{structure.param}: {exc}", "invalid_grammar", structure.param) from None
 

@@ -68,6 +68,7 @@ class Structure:
     response_is_json: bool = False
     parallel: bool = False        # several calls may be made at once
     param: str = "grammar"        # the field the grammar comes from, named when it fails
+    compiled: object = None       # grammar.Compiled for the model, once checked (routes.check_grammar)
 
     def messages(self, messages: list[dict], template_knows_tools: bool) -> list[dict]:
         """The messages with the tools and the answer form told in the system message."""
