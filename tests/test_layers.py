@@ -173,7 +173,8 @@ def test_the_scan_sees_what_it_must(tmp_path):
 
 
 #: What the prefix cache is made of: defined in kvcache/ and nowhere else (issue 62).
-PREFIX_CACHE_NAMES = {"PrefixTier", "PrefixStore", "PrefixCache", "HostTier", "DiskTier", "Costs", "Kept",
+PREFIX_CACHE_NAMES = {"PrefixTier", "PrefixStore", "PrefixCache", "HostTier", "DiskTier", "Costs", "Kept", "KeptCells",
+                      "heir", "fair_share", "frees_prefix",
                       "longest_common_prefix", "common_prefix_len", "KEEP_MIN", "WAIT_FOR_PREFIX", "HOST_MIN",
                       "MIN_TOKENS", "DISK_MIN", "RECALL_MIN", "REPLAY_MAX", "TAIL"}
 

@@ -88,7 +88,7 @@ def test_a_cancelled_request_ends_rolled_back_and_the_pool_goes_on(conductor):
 def booked(pool: RequestPool) -> int:
     """Every cell of the request pool is free or booked by exactly one sequence."""
     p = pool.conductor.scheduler.pools[pool.key]
-    return sum(s.cells for s in p.seats.values()) + sum(k.cells for k in p.kept.values()) + p.cells_free
+    return sum(s.cells for s in p.seats.values()) + sum(k.cells for k in p.cache.kept.values()) + p.cells_free
 
 
 def no_end(pool: RequestPool) -> dict:

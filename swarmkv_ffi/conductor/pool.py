@@ -46,14 +46,12 @@ decoding them again: a radix cache over the pool's cells, matched per owner (kvc
 Room for a new request is made from kept sequences only as far as it falls short, its
 owner's first, another owner's only beyond its fair share (evict_for).
 
-Cells there are booked once, however many sequences share them (`forks`): a request
-books its tokens less the prefix it forked, whose cells the sequence it forked from
-books, and RESERVE more, growing by RESERVE as it generates (a request the pool has no
-room to grow gives its cells up: the scheduler's _reserve); a kept sequence books its
-tokens less its fork. When a sequence that others forked from goes (evicted, or
-cancelled), the cells they still use are not freed by llama.cpp, so their booking passes
-to one of them, the heir (`_hand_down`): the sum of bookings stays at least the cells in
-use, and evicting can never overfill the pool.
+Cells there are booked once, however many sequences share them: a request books its
+tokens less the prefix it forked, and RESERVE more, growing by RESERVE as it generates (a
+request the pool has no room to grow gives its cells up: the scheduler's _reserve); a
+kept sequence books its tokens less its fork; who forked what, and who books shared
+cells once their booker goes, is kvcache/device.py's KeptCells. The sum of bookings
+stays at least the cells in use, and evicting can never overfill the pool.
 """
 from __future__ import annotations
 
@@ -65,7 +63,7 @@ from typing import Callable, NamedTuple
 from ..context import Context
 from ..errors import SwarmKVError
 from ..snapshot import Snapshot
-from ..kvcache.device import Kept
+from ..kvcache.device import KeptCells
 from ..kvcache.prefix import longest_common_prefix
 from ..kvcache.thresholds import KEEP_MIN
 from ..kvcache.tier import PrefixTier
@@ -154,7 +152,6 @@ class Pool:
                  freed: Callable = lambda key: None):
         self.key, self.loaded, self.exact = key, loaded, key.exact
         self.fixed = fixed                        # a request pool's settings; None: sized for its agents
-        self.share_kept = fixed is not None and fixed.share
         self.store = fixed.store if fixed is not None else None
         self._new_context, self._pause, self._keep_prefix = new_context, pause, keep_prefix
         self._drop_saved = drop_saved
@@ -173,8 +170,7 @@ class Pool:
         self.rebuilds = 0                         # times it was reopened while open (STATUS)
         self.opens = 0                            # times its context was made (STATUS, /metrics)
         self.last: object | None = None           # the agent stepped last (the one reported evicted)
-        self.kept: dict[int, Kept] = {}           # seq -> a finished request's cells, kept as cache
-        self.forks: dict[int, tuple[int, int]] = {}   # request seq -> (seq it forked from, tokens)
+        self.cache = KeptCells(fixed is not None and fixed.share)   # finished requests' cells, and forks
         self.prefill_row_s: Callable[[], float | None] = lambda: None   # measured by the scheduler
 
     # ---- opening and closing ------------------------------------------------------------
@@ -199,8 +195,8 @@ class Pool:
         self.free_seqs = list(range(self.ctx.n_seq_max - 1, -1, -1))
         self.tomb = self.free_seqs.pop(0) if self.exact else None
         self.cells_free = self.ctx.n_ctx
-        self.seats, self.docs, self.kept, self.scrambled, self.resize = {}, {}, {}, False, False
-        self.forks = {}
+        self.seats, self.docs, self.scrambled, self.resize = {}, {}, False, False
+        self.cache.clear()
         self.tomb_cells, self.tomb_by, self.rebuild_by = 0, {}, {}
 
     def close(self) -> list:
@@ -217,7 +213,8 @@ class Pool:
         if self.ctx is not None:
             self.ctx.close()
             self._freed(self.key)
-        self.ctx, self.seats, self.docs, self.kept, self.forks = None, {}, {}, {}, {}
+        self.ctx, self.seats, self.docs = None, {}, {}
+        self.cache.clear()
 
     @property
     def is_open(self) -> bool:
@@ -272,7 +269,7 @@ class Pool:
 
     def reach(self, seat: Seat) -> int:
         """Positions of the seat's sequence that its booking, and the fork's, cover."""
-        return self.forks.get(seat.seq, (None, 0))[1] + seat.cells
+        return self.cache.forked(seat.seq) + seat.cells
 
     def grow(self, seat: Seat, upto: int) -> bool:
         """Book room for the request's positions below `upto` (and RESERVE beyond, if the
@@ -303,7 +300,7 @@ class Pool:
                 entry.restored = True
             elif agent.kind is Kind.REQUEST:
                 kv_len = self._fork_kept(agent, seq, entry)
-                cells = self._first_reach(agent) - self.forks.get(seq, (None, 0))[1]
+                cells = self._first_reach(agent) - self.cache.forked(seq)
             elif agent.prefix is not None and self._tokens_follow_document(agent):
                 entry.restored = self._fork_document(agent, seq)
                 entry.forked = True
@@ -313,7 +310,7 @@ class Pool:
             else:
                 kv_len, cells = 0, agent.n_ctx      # cold, or paused without a snapshot: re-read
         except BaseException:
-            self.forks.pop(seq, None)
+            self.cache.forks.pop(seq, None)
             self._retire(seq, 0, agent.owner)
             self.free_seqs.append(seq)
             raise
@@ -352,33 +349,14 @@ class Pool:
         return restored
 
     # ---- kept cells: the server's radix cache (kvcache/device.py) ---------------------------------
-    def _shared_with(self, owner: int, agent) -> bool:
-        """Whether `agent` may fork cells of `owner`'s: its own, or anyone's if the
-        operator shares them."""
-        return self.share_kept or owner == agent.owner
-
-    def _matches(self, agent):
-        """(tokens, seq) of every sequence `agent` may fork from: kept ones and seated
-        agents' KV."""
-        for seq, kept in self.kept.items():
-            if self._shared_with(kept.owner, agent):
-                yield kept.tokens, seq
-        for seat in self.seats.values():
-            other = seat.agent
-            if other is not agent and self._shared_with(other.owner, agent):
-                yield other.history[:seat.kv_len], seat.seq
+    def _running(self, agent):
+        """(owner, tokens held, seq) of the seated sequences other than `agent`'s."""
+        return [(s.agent.owner, s.agent.history[:s.kv_len], s.seq) for s in self.seats.values() if s.agent is not agent]
 
     def match(self, agent) -> tuple[int, int | None]:
         """The longest prefix of the request's tokens (agent.asked, or a preempted one's
-        history) this pool holds cells for, and the sequence holding it; at most all but
-        the last token, whose logits the request needs."""
-        best, best_seq = 0, None
-        wanted = agent.history or agent.asked
-        for tokens, seq in self._matches(agent):
-            n = min(longest_common_prefix(tokens, wanted), len(wanted) - 1)
-            if n > best:
-                best, best_seq = n, seq
-        return best, best_seq
+        history) this pool holds cells for that it may fork, and the sequence holding it."""
+        return self.cache.match(agent.history or agent.asked, agent.owner, self._running(agent))
 
     def coming(self, agent) -> int:
         """The longest prefix of agent.asked that a running request of its owner (or of
@@ -386,7 +364,7 @@ class Pool:
         best = 0
         for seat in self.seats.values():
             other = seat.agent
-            if other is agent or other.kind is not Kind.REQUEST or not self._shared_with(other.owner, agent):
+            if other is agent or other.kind is not Kind.REQUEST or not self.cache.may_fork(other.owner, agent.owner):
                 continue
             n = min(longest_common_prefix(other.asked, agent.asked), len(agent.asked) - 1)
             if n > seat.kv_len:
@@ -413,11 +391,9 @@ class Pool:
                 return got
         if n:
             self.ctx.seq_cp(src, seq, 0, n)
-            self.forks[seq] = (src, n)
+            self.cache.fork(seq, src, n)
             agent.history = agent.history or list(agent.asked[:n])
             entry.forked, entry.tier = True, "pool"
-            if src in self.kept:
-                self.kept[src].last_used = time.monotonic()
             if self.store is not None:
                 self.store.remember(agent.owner, agent.asked, self.ctx, seq, n)
         return n
@@ -447,59 +423,30 @@ class Pool:
         del self.seats[agent.key]
         if self.last is agent:
             self.last = None
-        tokens = agent.history[:seat.kv_len]
         unused = self.reach(seat) - seat.kv_len    # booked for tokens it did not generate
         self.cells_free += unused
-        self.kept[seat.seq] = Kept(agent.owner, tokens, seat.cells - unused)
+        self.cache.keep(seat.seq, agent.owner, agent.history[:seat.kv_len], seat.cells - unused)
 
     def evict(self, seq: int) -> None:
         """Drop a kept sequence; the store below keeps its KV if the cells it frees hold
         more than the prefix it forked from a sequence that stays (kvcache.tier.PrefixTier)."""
-        kept = self.kept.pop(seq)
-        if self.store is not None and self._frees_prefix(seq, kept):
+        kept = self.cache.kept[seq]
+        if self.store is not None and self.cache.frees_prefix(seq, self.store.min_tokens):
             self.store.evicted(kept.owner, kept.tokens, self.ctx, seq)
+        del self.cache.kept[seq]
         self.cells_free += kept.cells - self._hand_down(seq)
         self._retire(seq, 0, kept.owner)
         self.free_seqs.append(seq)
 
-    def _frees_prefix(self, seq: int, kept: Kept) -> bool:
-        """Whether evicting `seq` loses a long run of tokens: those it holds beyond what it
-        forked (its source stays) and what others forked of it (its heir keeps that)."""
-        forked, (_, inherited) = self.forks.get(seq, (None, 0))[1], self._heir(seq)
-        return len(kept.tokens) - forked - inherited >= self.store.min_tokens
-
-    # ---- one booking per cell ----------------------------------------------------------------
-    def _heir(self, seq: int) -> tuple[int | None, int]:
-        """The sequence that would book what others forked from `seq` once it goes (the
-        one that forked the most of it), and how many cells it would take over."""
-        forked = [(n, d) for d, (src, n) in self.forks.items() if src == seq]
-        if not forked:
-            return None, 0
-        n, heir = max(forked)
-        return heir, max(0, n - self.forks.get(seq, (None, 0))[1])
-
     def shared(self, seq: int) -> int:
-        """The longest opening of `seq` that another sequence holds too: one it forked, or
-        one others forked from it."""
-        return max([n for d, (src, n) in self.forks.items() if d == seq or src == seq], default=0)
+        return self.cache.shared(seq)
 
     def _hand_down(self, seq: int) -> int:
-        """`seq` is going: the cells that sequences forked from it still hold are booked to
-        its heir from now on (the others now fork from the heir, which holds all they
-        do). Returns the cells the heir took over, which leaving frees none of."""
-        heir, took = self._heir(seq)
-        below = self.forks.pop(seq, None)
-        if heir is None:
-            return 0
-        for d, (src, n) in list(self.forks.items()):
-            if src == seq and d != heir:
-                self.forks[d] = (heir, n)
-        n_heir = self.forks.pop(heir)[1]
-        if below is not None and min(n_heir, below[1]) > 0:
-            self.forks[heir] = (below[0], min(n_heir, below[1]))
-        if heir in self.kept:
-            self.kept[heir].cells += took
-        else:
+        """`seq` is going: its heir books the cells others forked from it (KeptCells);
+        a seated heir's seat grows here. Returns the cells the heir took over, which
+        leaving frees none of."""
+        heir, took = self.cache.hand_down(seq)
+        if heir is not None and heir not in self.cache.kept:
             next(s for s in self.seats.values() if s.seq == heir).cells += took
         return took
 
@@ -518,7 +465,7 @@ class Pool:
             if short_seqs <= 0 and short_cells <= 0:
                 break
             chosen.append(seq)
-            short_seqs, short_cells = short_seqs - 1, short_cells - (self.kept[seq].cells - self._heir(seq)[1])
+            short_seqs, short_cells = short_seqs - 1, short_cells - self.cache.frees(seq)
         if short_seqs > 0 or short_cells > 0:
             return False            # it would not fit anyway: nothing is lost while it waits
         for seq in chosen:
@@ -530,37 +477,23 @@ class Pool:
         its whole booking within the free cells, the tomb's, and the kept cells it may
         evict (pool.py's fair share)."""
         seqs, cells = self.need(agent, whole=True)
-        evictable = sum(self.kept[seq].cells - self._heir(seq)[1] for seq in self._evictable(agent))
-        return len(self.free_seqs) + len(self.kept) >= seqs and \
+        evictable = sum(self.cache.frees(seq) for seq in self._evictable(agent))
+        return len(self.free_seqs) + len(self.cache.kept) >= seqs and \
             self.cells_free + self.tomb_cells + evictable >= cells
 
     def _evictable(self, agent):
-        """The kept sequences `agent` may evict, in the order it should."""
-        _, source = self.match(agent)
-        owners = {k.owner for k in self.kept.values()} | {s.agent.owner for s in self.seats.values()} | {agent.owner}
-        fair = self.ctx.n_ctx // len(owners)
-        held: dict[int, int] = {}
-        for kept in self.kept.values():
-            held[kept.owner] = held.get(kept.owner, 0) + kept.cells
-        by_age = sorted((seq for seq in self.kept if seq != source), key=lambda s: self.kept[s].last_used)
-        yield from (seq for seq in by_age if self.kept[seq].owner == agent.owner)
-        for seq in by_age:
-            kept = self.kept[seq]
-            if kept.owner != agent.owner and held[kept.owner] > fair:
-                held[kept.owner] -= kept.cells
-                yield seq
-        if source in self.kept and (self.kept[source].owner == agent.owner or held[self.kept[source].owner] > fair):
-            yield source            # last: prefilling it again beats never running
+        """The kept sequences `agent` may evict, in the order it should (KeptCells.evictable)."""
+        running = {s.agent.owner for s in self.seats.values()}
+        return self.cache.evictable(agent.owner, self.match(agent)[1], running, self.ctx.n_ctx)
 
     def no_room(self, agent) -> str:
         """Why `agent` cannot be seated while nothing runs here, in numbers."""
         seqs, cells = self.need(agent, whole=True)
-        owners = {k.owner for k in self.kept.values()} | {agent.owner}
-        others = sum(k.cells for k in self.kept.values() if k.owner != agent.owner)
         return (f"the request needs {cells} KV cells and {seqs} sequence(s); the pool has {self.ctx.n_ctx} "
                 f"cells, {self.cells_free} free and {len(self.free_seqs)} sequences free, and other keys keep "
-                f"{others} cells of cached prefixes, within their fair share ({self.ctx.n_ctx // len(owners)} "
-                "cells each), which are not evicted for it: ask for fewer tokens (max_tokens), or retry later")
+                f"{self.cache.kept_by_others(agent.owner)} cells of cached prefixes, within their fair share "
+                f"({self.cache.fair_share(agent.owner, set(), self.ctx.n_ctx)} cells each), which are not "
+                "evicted for it: ask for fewer tokens (max_tokens), or retry later")
 
     def unseat(self, agent, pause: bool) -> None:
         """Free `agent`'s sequence; pause=True keeps its KV in host RAM first (or marks it
@@ -599,14 +532,14 @@ class Pool:
         the tomb, while anyone else is in it: freeing them would let new tokens of another
         sequence land below its older cells (see the module's docstring)."""
         held = self.ctx.seq_pos_max(seq) + 1
-        if self.exact and held > p0 and (self.seats or self.docs or self.kept):
+        if self.exact and held > p0 and (self.seats or self.docs or self.cache.kept):
             self.ctx.seq_cp(seq, self.tomb, p0, -1)
             n = held - max(p0, 0)
             self.tomb_cells += n
             self.cells_free -= n
             self.tomb_by[owner] = self.tomb_by.get(owner, 0) + n
         self.ctx.seq_rm(seq, p0, -1)
-        if self.exact and not (self.seats or self.docs or self.kept):
+        if self.exact and not (self.seats or self.docs or self.cache.kept):
             self.flush_tombs()          # nobody left whose order matters
 
     def fits_after_flush(self, agent) -> bool:
@@ -620,7 +553,7 @@ class Pool:
         if not self.tomb_cells:
             return
         if not (self.seats or self.docs):
-            for seq in list(self.kept):        # cheaper to drop than to rebuild
+            for seq in list(self.cache.kept):  # cheaper to drop than to rebuild
                 self.evict(seq)
             if not self.tomb_cells:
                 return

@@ -153,7 +153,7 @@ class RequestPool:
         scheduler = self.conductor.scheduler
         pool = scheduler.pools.get(self.key)
         seats = list(pool.seats.values()) if pool is not None and pool.is_open else []
-        kept = list(pool.kept.values()) if pool is not None and pool.is_open else []
+        kept = list(pool.cache.kept.values()) if pool is not None and pool.is_open else []
         free = pool.cells_free if pool is not None and pool.is_open else self.cells
         tally = scheduler.tally.get(self.key)
         return {"opens": pool.opens if pool is not None else 0, "cells": self.cells, "cells_free": free,

@@ -517,7 +517,7 @@ class Scheduler:
         if pool.fixed is not None and not pool.seats and not pool.could_hold(run.agent):
             self._finish(run, error=NoRoom(pool.no_room(run.agent)))   # it could never run to its end
             return False
-        if pool.fits(run.agent) or (pool.kept and pool.evict_for(run.agent)):
+        if pool.fits(run.agent) or (pool.cache.kept and pool.evict_for(run.agent)):
             return True
         if pool.fixed is not None and not pool.seats and not pool.fits_after_flush(run.agent):
             self._finish(run, error=NoRoom(pool.no_room(run.agent)))   # nothing will free
