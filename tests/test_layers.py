@@ -22,7 +22,8 @@ LAYERS: list[list[str]] = [
     ["calibration"],                                                    # the kernel rule, handed the library
     ["library"],                                                        # libllama by cffi
     ["_owned", "model", "batch", "exact", "context", "sampler", "arena", "fattn", "shaped_gguf"],   # the binding
-    ["kvcache", "kvcache.prefix", "kvcache.thresholds", "kvcache.tier", "kvcache.costs", "kvcache.device"],  # the cache's words
+    ["kvcache", "kvcache.prefix", "kvcache.thresholds", "kvcache.tier", "kvcache.costs", "kvcache.radix",
+     "kvcache.device"],  # the cache's words
     ["catalog", "snapshot", "kvcache.files", "generate", "probe", "grammar"],   # models, KV state, one answer
     ["fanout", "fanout.*", "distributed"],                              # the fan-out, and on Ray
     ["admission", "admission.*"],                                       # who fits: ledger, memory, quotas
@@ -174,6 +175,7 @@ def test_the_scan_sees_what_it_must(tmp_path):
 
 #: What the prefix cache is made of: defined in kvcache/ and nowhere else (issue 62).
 PREFIX_CACHE_NAMES = {"PrefixTier", "PrefixStore", "PrefixCache", "HostTier", "DiskTier", "Costs", "Kept", "KeptCells",
+                      "RadixTree",
                       "heir", "fair_share", "frees_prefix",
                       "longest_common_prefix", "common_prefix_len", "KEEP_MIN", "WAIT_FOR_PREFIX", "HOST_MIN",
                       "MIN_TOKENS", "DISK_MIN", "RECALL_MIN", "REPLAY_MAX", "TAIL"}

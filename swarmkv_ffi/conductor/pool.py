@@ -433,7 +433,7 @@ class Pool:
         kept = self.cache.kept[seq]
         if self.store is not None and self.cache.frees_prefix(seq, self.store.min_tokens):
             self.store.evicted(kept.owner, kept.tokens, self.ctx, seq)
-        del self.cache.kept[seq]
+        self.cache.drop(seq)
         self.cells_free += kept.cells - self._hand_down(seq)
         self._retire(seq, 0, kept.owner)
         self.free_seqs.append(seq)

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from .prefix import longest_common_prefix
+from .radix import RadixTree
 
 
 @dataclass
@@ -43,29 +44,35 @@ class KeptCells:
 
     def __init__(self, share: bool = False):
         self.share = share                        # every owner may fork every owner's cells
-        self.kept: dict[int, Kept] = {}           # seq -> a finished request's cells
+        self.kept: dict[int, Kept] = {}           # seq -> a finished request's cells (drop() removes)
         self.forks: dict[int, tuple[int, int]] = {}   # seq -> (seq it forked from, tokens)
+        self.trees: dict[int | None, RadixTree] = {}  # owner (None: shared) -> its kept sequences
 
     def clear(self) -> None:
-        self.kept, self.forks = {}, {}
+        self.kept, self.forks, self.trees = {}, {}, {}
+
+    def _tree(self, owner: int) -> RadixTree:
+        return self.trees.setdefault(None if self.share else owner, RadixTree())
 
     def may_fork(self, owner: int, asker: int) -> bool:
         """Whether `asker` may fork cells of `owner`'s: its own, or anyone's if shared."""
         return self.share or owner == asker
 
     def match(self, wanted: list[int], asker: int, running=()) -> tuple[int, int | None]:
-        """The longest prefix of `wanted` held by a kept sequence or by one of `running`
-        ((owner, tokens held, seq) of sequences still decoding) that `asker` may fork,
-        and that sequence; at most all but the last token, whose logits the asker needs."""
-        held = [(k.tokens, seq, k.owner) for seq, k in self.kept.items()]
-        held += [(tokens, seq, owner) for owner, tokens, seq in running]
-        best, best_seq = 0, None
-        for tokens, seq, owner in held:
+        """The longest prefix of `wanted` held by a kept sequence (the asker's radix tree)
+        or by one of `running` ((owner, tokens held, seq) of sequences still decoding, a
+        few: compared one by one) that `asker` may fork, and that sequence (a kept one on
+        a tie); at most all but the last token, whose logits the asker needs."""
+        cap = len(wanted) - 1
+        tree = self.trees.get(None if self.share else asker)
+        best, best_seq = tree.longest(wanted) if tree is not None else (0, None)
+        best = min(best, cap)
+        for owner, tokens, seq in running:
             if self.may_fork(owner, asker):
-                n = min(longest_common_prefix(tokens, wanted), len(wanted) - 1)
+                n = min(longest_common_prefix(tokens, wanted), cap)
                 if n > best:
                     best, best_seq = n, seq
-        return best, best_seq
+        return (best, best_seq) if best > 0 else (0, None)
 
     def fork(self, seq: int, source: int, n: int) -> None:
         """`seq` now shares the first n cells of `source` (which books them)."""
@@ -79,6 +86,13 @@ class KeptCells:
 
     def keep(self, seq: int, owner: int, tokens: list[int], cells: int) -> None:
         self.kept[seq] = Kept(owner, tokens, cells)
+        self._tree(owner).insert(seq, tokens)
+
+    def drop(self, seq: int) -> Kept:
+        """Forget kept `seq` (its cells are the pool's to free) and return it."""
+        kept = self.kept.pop(seq)
+        self._tree(kept.owner).remove(seq)
+        return kept
 
     def heir(self, seq: int) -> tuple[int | None, int]:
         """The sequence that would book what others forked from `seq` once it goes (the
