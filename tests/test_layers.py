@@ -47,7 +47,7 @@ LAYERS: list[list[str]] = [
     ["serve.calls"],
     ["serve.responses"],                                                # chat and text completions' shapes
     ["serve.openai_responses"],                                         # the Responses API, as a chat request
-    ["serve.anthropic"],                                                # the Messages API, as a chat request
+    ["serve.anthropic", "serve.llama_native"],                          # the Messages API; llama-server's own routes
     ["serve.routes"],
     ["serve.app"],
     ["serve.http", "serve.on_ray"],

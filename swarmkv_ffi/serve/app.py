@@ -9,10 +9,13 @@
     GET, DELETE /v1/responses/{response_id}   a stored response of the key's
     POST /v1/messages            Anthropic's Messages API (anthropic.py), whole or streamed
     POST /v1/messages/count_tokens            the prompt a message request would make, counted
+    POST /apply-template, /completion, /completions, /tokenize, /detokenize   llama-server's own
+         (llama_native.py); /health, /models, /chat/completions, /responses without /v1 too
 """
 from __future__ import annotations
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 from . import errors, routes
 from .engine import ServeEngine
@@ -36,4 +39,24 @@ def create_app(engine: ServeEngine, keys: Keys, settings: Settings) -> FastAPI:
     app.add_api_route("/v1/messages", routes.messages, methods=["POST"])
     app.add_api_route("/v1/messages/count_tokens", routes.count_tokens, methods=["POST"])
     app.add_api_route("/apply-template", routes.apply_template, methods=["POST"])
+    for path in ("/completion", "/completions"):        # llama-server's native completion (llama_native.py)
+        app.add_api_route(path, routes.native_completion, methods=["POST"])
+    app.add_api_route("/tokenize", routes.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", routes.detokenize, methods=["POST"])
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, **cors(settings.cors_origins))
     return app
+
+
+#: What `--cors-origins localhost` allows: a page served from this machine, on any port.
+LOCALHOST = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
+
+
+def cors(origins: str) -> dict:
+    """Starlette's CORSMiddleware settings for --cors-origins (a list, `localhost`, `*`):
+    the methods and headers llama-server allows, no cookies (the key is a header)."""
+    named = [o.strip() for o in origins.split(",") if o.strip()]
+    local = "localhost" in named
+    named = [o for o in named if o != "localhost"]
+    return {"allow_origins": named, "allow_origin_regex": LOCALHOST if local else None,
+            "allow_methods": ["GET", "POST", "DELETE", "OPTIONS"], "allow_headers": ["*"]}

@@ -20,7 +20,7 @@ from ..conductor import ConductorError, ContextFull, NoRoom, Stopping
 from ..errors import SwarmKVError
 from .schemas import ErrorBody, ErrorDetail
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
 
 

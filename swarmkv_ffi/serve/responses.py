@@ -14,6 +14,7 @@ stream `opening`, `piece`, `ending`, `closing` and `error`, each server-sent eve
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -23,6 +24,15 @@ from .errors import Refused, error_body
 from .schemas import (ChatChoice, ChatChunk, ChatCompletion, ChatLogprobs, ChatMessage, ChunkChoice, Completion,
                       CompletionChoice, CompletionLogprobs, Delta, FunctionCallOut, FunctionPiece, TokenLogprob,
                       ToolCallOut, ToolCallPiece)
+
+
+@functools.cache
+def fingerprint() -> str:
+    """system_fingerprint, as llama-server writes it (b<build>-<commit>): the pin and the
+    llama.cpp commit of the library in use."""
+    from .. import library
+    m = library.read_manifest() or {}
+    return f"b{m.get('source', '').rpartition('==')[2] or '0'}-{m.get('llama_cpp_commit') or 'unknown'}"
 
 
 def sse(data: dict) -> str:
@@ -80,12 +90,13 @@ class ChatShape:
             choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(call, c.logprobs),
                                       finish_reason=c.finish_reason(reply)))
         return ChatCompletion(id=self.id, created=int(time.time()), model=self.model, choices=choices,
-                              usage=call.usage())
+                              usage=call.usage(), system_fingerprint=fingerprint())
 
     def _chunk(self, call: Call, choices: list[ChunkChoice], **usage) -> ChatChunk:
         if call.body.usage_in_stream and not usage:
             usage = {"usage": None}       # every chunk says it, null but the last
-        return ChatChunk(id=self.id, created=int(time.time()), model=self.model, choices=choices, **usage)
+        return ChatChunk(id=self.id, created=int(time.time()), model=self.model, choices=choices,
+                         system_fingerprint=fingerprint(), **usage)
 
     def opening(self, call: Call):
         for c in call.choices:
@@ -137,7 +148,8 @@ class CompletionShape:
                                   text_offset=offsets)
 
     def _object(self, choices: list[CompletionChoice], **usage) -> Completion:
-        return Completion(id=self.id, created=int(time.time()), model=self.model, choices=choices, **usage)
+        return Completion(id=self.id, created=int(time.time()), model=self.model, choices=choices,
+                          system_fingerprint=fingerprint(), **usage)
 
     def whole(self, call: Call) -> Completion:
         choices = [CompletionChoice(index=c.index, text=c.text.sent, finish_reason=c.finish_reason(),

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .. import grammar
-from . import anthropic, openai_responses, structured, templates, volatile
+from . import anthropic, llama_native, openai_responses, structured, templates, volatile
 from .calls import Call
 from .engine import ServeEngine
 from .hosted import HostedModel
@@ -104,7 +104,7 @@ async def models(request: Request):
     s = served(request)
     cards = []
     for name, entry in s.engine.models.named.items():
-        card = ModelCard(id=name, created=s.created)
+        card = ModelCard(id=name, created=s.created, aliases=list(entry.names))
         if operator:
             card.status = ModelStatus(value=entry.state, pinned=entry.spec.pinned)
             if entry.state == "failed":
@@ -241,11 +241,34 @@ async def completions(request: Request):
         if body.echo or body.suffix:
             raise Refused(400, "echo and suffix are not supported", "unsupported_parameter",
                           "echo" if body.echo else "suffix")
+    return await run_completion(request, who, body, lambda name, model: Events(CompletionShape(name)))
+
+
+async def native_completion(request: Request):
+    """llama-server's POST /completion (and /completions): llama_native.py."""
+    who = owner_of(request)
+    s = served(request)
+    async with s.preparing(who):
+        native = await read_body(request, llama_native.NativeCompletion, s)
+        body = native.as_completion()
+    return await run_completion(request, who, body,
+                                lambda name, model: llama_native.NativeShape(name, model.detokenize,
+                                                                             native.response_fields),
+                                prepare=native.with_model)
+
+
+async def run_completion(request: Request, who: int, body: CompletionRequest, shape_for, prepare=None):
+    """Run a text completion of `who`'s and answer in the shape shape_for(model id, model)
+    makes (OpenAI's or llama-server's); prepare(model, body), if given, finishes the body
+    with the model at hand (on the worker thread), before its prompts are tokenized."""
+    s = served(request)
     name = s.engine.resolve(body.model)
     use = await s.engine.use(who, name, body.keep_alive)
     try:
         hosted = use.hosted
         async with s.preparing(who):
+            if prepare is not None:
+                body = await asyncio.to_thread(prepare, hosted.model, body)
             structure = await asyncio.to_thread(structured.plan, body)
             prompts = await asyncio.to_thread(completion_tokens, hosted, body, structure)
         call = Call(s.engine, use, who, body, prompts, hosted.max_tokens_for(prompts, body.limit(), "prompt"),
@@ -254,7 +277,38 @@ async def completions(request: Request):
         use.release()
         raise
     s.engine.tally.asked(who, "completions")
-    return await answer(request, call, Events(CompletionShape(name)))
+    return await answer(request, call, shape_for(name, hosted.model))
+
+
+async def tokenize(request: Request):
+    """llama-server's POST /tokenize: the content's token ids (with their pieces when asked)."""
+    who = owner_of(request)
+    s = served(request)
+    async with s.preparing(who):
+        body = await read_body(request, llama_native.TokenizeRequest, s)
+    use = await s.engine.use(who, s.engine.resolve(body.model), None)
+    try:
+        check_length(use.hosted, len(body.content), "content")
+        async with s.preparing(who):
+            return await asyncio.to_thread(llama_native.tokenize, use.hosted.model, body)
+    finally:
+        use.release()
+
+
+async def detokenize(request: Request):
+    """llama-server's POST /detokenize: the tokens' text."""
+    who = owner_of(request)
+    s = served(request)
+    async with s.preparing(who):
+        body = await read_body(request, llama_native.DetokenizeRequest, s)
+    use = await s.engine.use(who, s.engine.resolve(body.model), None)
+    try:
+        model = use.hosted.model
+        check_vocabulary(model.n_vocab, {"tokens": body.tokens})
+        async with s.preparing(who):
+            return {"content": await asyncio.to_thread(model.detokenize, body.tokens)}
+    finally:
+        use.release()
 
 
 # ---- what the POST routes share -------------------------------------------------------------

@@ -438,6 +438,7 @@ class Completion(Shape):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: Optional[str] = None
     choices: list[CompletionChoice]
     usage: Optional[Usage] = None
 
@@ -457,6 +458,8 @@ class ModelCard(Shape):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "swarmkv"
+    aliases: list[str] = Field(default_factory=list)   # llama-server's: every id of this model
+    tags: list[str] = Field(default_factory=list)      # llama-server's --tags (none here)
     status: Optional[ModelStatus] = None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,7 @@ class Settings:
     idle_connections_per_address: int = 64   # connections without a request yet (guard.py)
     send_timeout: float = 30.0               # seconds a client may leave its answer unread (guard.py)
     model_churn_window: float = 60.0         # a key unloads others' model at most once in it (churn.py)
+    cors_origins: str | None = None          # web pages that may call the API from a browser (app.cors)
     metrics_key: str | None = None           # a scrape with it sees the whole server's /metrics
     stored_responses: int = 256              # the Responses API's stored responses per key (stored.py)
     stored_responses_mib: int = 64           # ... and their text, per key
@@ -100,6 +102,11 @@ class Settings:
                 or self.idle_connections_per_address < 1:
             raise ValueError("--read-timeout and --send-timeout must be in (0, 3600] seconds and "
                              "--idle-connections-per-address at least 1")
+        bad = [o for o in (self.cors_origins or "").split(",")
+               if o.strip() and not re.fullmatch(r"\*|localhost|https?://[^/\s]+", o.strip())]
+        if bad:
+            raise ValueError(f"--cors-origins: {bad[0]!r} is not an origin (scheme://host[:port]), "
+                             "`localhost` or `*`")
         if not 0 <= self.model_churn_window <= 86400:
             raise ValueError("--model-churn-window must be in [0, 86400] seconds (0: no limit)")
         lineup.check(self.specs())
@@ -226,6 +233,11 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
               "other keys used within this window may do so once per window (later such requests get "
               "429 with Retry-After), and the model it unloaded comes back for its users without "
               "counting against them (default: %(default)s; 0: no limit)")
+    flag("cors-origins", default=d.cors_origins, metavar="ORIGINS",
+         help="web pages whose scripts may call this server from a browser (CORS): a comma-separated "
+              "list of origins (https://app.example.com), `localhost` for any page served from this "
+              "machine, or `*` for any (keys are still required where set). Default: none, as a server "
+              "behind keys should be (llama-server allows any)")
     flag("stored-responses", type=int, default=d.stored_responses, metavar="N",
          help="Responses API: responses kept per key for previous_response_id (store, on by default as "
               "OpenAI's); past N, or past --stored-responses-mib, the least recently used go "

@@ -1,0 +1,233 @@
+"""llama-server's own routes, for clients written against it (issue 64), on the same engine,
+keys and limits as the OpenAI routes:
+
+    POST /completion, /completions   llama-server's native completion, whole or streamed
+    POST /tokenize                   {"tokens": [...]}, with pieces when asked
+    POST /detokenize                 {"content": "..."}
+
+A native completion body is read into a text completion (schemas.CompletionRequest: one
+set of checks and one call path) with llama-server's defaults (temperature 0.8, top_k 40,
+top_p 0.95, min_p 0.05; n_predict -1: as far as --default-max-tokens and the context
+allow), and answered in llama-server's shape (tools/server/server-task.cpp): `content`,
+`tokens` (the generated ids with return_tokens), `stop`, `stop_type` (eos, limit, word),
+`stopping_word`, `tokens_predicted`, `tokens_evaluated`, `tokens_cached`, `truncated`,
+`has_new_line`, `generation_settings`, `timings` (telemetry.py). Streamed: one event per
+piece of text, then the final object, without OpenAI's [DONE]. Fields llama-server has
+and the engine does not act on are refused by name (a 400), never silently dropped:
+IGNORED names the few that change nothing here.
+"""
+from __future__ import annotations
+
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from . import telemetry
+from .calls import Call, Choice
+from .errors import Refused, error_body, validated
+from .responses import sse
+from .schemas import MAX_LOGIT_BIAS, CompletionRequest
+
+#: llama-server's fields that change nothing on this engine, accepted as it accepts them.
+IGNORED = {
+    "cache_prompt": "prompts are always cached (the pool keeps finished requests' cells)",
+    "id_slot": "there are no slots: any request runs beside the others",
+    "n_cmpl": "",
+    "timings_per_token": "timings come with the final object",
+    "return_progress": "",
+    "samplers": "the sampler chain is fixed: penalties, top_k, top_p, min_p, temperature",
+}
+
+
+class NativeCompletion(BaseModel):
+    """llama-server's /completion body, as far as the engine acts on it."""
+    model_config = ConfigDict(extra="allow")
+
+    prompt: Union[str, list[int], list[Union[str, list[int]]]]
+    model: str | None = None
+    n_predict: int = Field(-1, ge=-1)
+    stream: bool = False
+    temperature: float = Field(0.8, ge=0.0, le=2.0)
+    top_k: int = Field(40, ge=0)
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    min_p: float = Field(0.05, ge=0.0, lt=1.0)
+    seed: int = -1
+    stop: list[str] = Field(default_factory=list)
+    repeat_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Union[dict[str, Union[float, bool]], list[list[Union[int, str, float, bool]]], None] = None
+    grammar: str | None = None
+    return_tokens: bool = False
+    response_fields: list[str] = Field(default_factory=list, max_length=64)
+    keep_alive: Union[float, str, None] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("the prompt is empty")
+        return v
+
+    def unsupported(self) -> list[str]:
+        """Fields llama-server acts on and this engine does not (the 400 names them)."""
+        return sorted(k for k in (self.model_extra or {}) if k not in IGNORED)
+
+    def as_completion(self) -> "NativeAsked":
+        """The same request as a text completion."""
+        unsupported = self.unsupported()
+        if unsupported:
+            raise Refused(400, f"{', '.join(unsupported)}: not supported by this server (llama-server's "
+                          f"fields it accepts: docs/serve.md#llama-servers-own-routes)", "unsupported_parameter",
+                          unsupported[0])
+        if self.n_predict == 0:
+            raise Refused(400, "n_predict: 0 generates nothing; ask for at least 1 token, or -1",
+                          "invalid_value", "n_predict")
+        return validated(NativeAsked, {
+            "prompt": self._prompts(), "max_tokens": self.n_predict if self.n_predict > 0 else None,
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "seed": None if self.seed < 0 else self.seed, "stop": self.stop or None, "stream": self.stream,
+            "repeat_penalty": self.repeat_penalty, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "grammar": self.grammar,
+            "model": self.model, "keep_alive": self.keep_alive, "return_tokens": self.return_tokens})
+
+    def _prompts(self):
+        """The prompt as OpenAI's field takes it: one text or token list, or several of one kind."""
+        p = self.prompt
+        if isinstance(p, str) or all(isinstance(t, int) for t in p):
+            return p
+        if len({isinstance(x, str) for x in p}) > 1:
+            raise Refused(400, "prompt: several prompts must all be text or all be token lists",
+                          "invalid_value", "prompt")
+        return p
+
+    def with_model(self, model, asked: "NativeAsked") -> "NativeAsked":
+        """The completion with llama-server's logit_bias read against the model: {token:
+        bias} or [[token, bias], ...], a token given as its id or as text (each of the
+        text's tokens gets the bias), `false` banning it; as OpenAI's {id: bias in
+        [-100, 100]} (the route checks the ids against the vocabulary)."""
+        if not self.logit_bias:
+            return asked
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        bias: dict[int, float] = {}
+        for pair in pairs:
+            if len(pair) != 2 or isinstance(pair[1], str):
+                raise Refused(400, "logit_bias: each entry is a token (id or text) and a bias", "invalid_value",
+                              "logit_bias")
+            token, value = pair
+            ids = [int(token)] if isinstance(token, int) or str(token).lstrip("-").isdigit() else \
+                [int(t) for t in model.tokenize(str(token)[:512], add_special=False)]
+            for t in ids:
+                bias[t] = -100.0 if value is False else max(-100.0, min(100.0, float(value)))
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise Refused(400, f"logit_bias: {len(bias)} tokens; at most {MAX_LOGIT_BIAS}", "invalid_value",
+                          "logit_bias")
+        return asked.model_copy(update={"logit_bias": bias})
+
+
+class NativeAsked(CompletionRequest):
+    """A native completion as the engine runs it: no limit means as far as the context
+    and --default-max-tokens allow (OpenAI's completions default to 16)."""
+    return_tokens: bool = False
+
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+
+class NativeShape:
+    """llama-server's completion objects, for routes.answer (as responses.Events)."""
+
+    def __init__(self, model: str, detokenize, fields: list[str] | None = None):
+        self.model, self._detokenize, self.fields = model, detokenize, fields or []
+
+    def whole(self, call: Call) -> Any:
+        done = [self._picked(self._final(call, c, c.text.sent)) for c in call.choices]
+        return done[0] if len(done) == 1 else done
+
+    def _picked(self, final: dict) -> dict:
+        """llama-server's response_fields: only those, a nested one named by its path
+        ("generation_settings/n_predict"), a missing one left out."""
+        if not self.fields:
+            return final
+        picked = {}
+        for path in self.fields:
+            value = final
+            for part in path.split("/"):
+                value = value.get(part) if isinstance(value, dict) else None
+            if value is not None:
+                picked[path] = value
+        return picked
+
+    def opening(self, call: Call):
+        return []
+
+    def piece(self, call: Call, choice: Choice, text: str):
+        if not text:
+            return []
+        return [sse({"index": choice.index, "content": text, "tokens": [], "stop": False, "id_slot": -1,
+                     "tokens_predicted": choice.n_tokens, "tokens_evaluated": self._prompt_n(call, choice)})]
+
+    def ending(self, call: Call, choice: Choice):
+        return [sse(self._picked(self._final(call, choice, "")))]
+
+    def closing(self, call: Call):
+        return []
+
+    def error(self, exc: Refused) -> str:
+        return sse(error_body(exc.status, str(exc), exc.code))
+
+    @staticmethod
+    def _prompt_n(call: Call, choice: Choice) -> int:
+        return len(call.prompts[choice.index // call.body.n])
+
+    def _final(self, call: Call, choice: Choice, content: str) -> dict:
+        body, result = call.body, choice.result
+        generated = list(result.generated) if result is not None else []
+        stop_type = "word" if choice.text.stopped else "eos" if result is not None and result.stopped_on_eog \
+            else "limit"
+        return {
+            "index": choice.index, "content": content, "tokens": generated if body.return_tokens else [],
+            "id_slot": -1, "stop": True, "model": self.model, "tokens_predicted": len(generated),
+            "tokens_evaluated": self._prompt_n(call, choice), "tokens_cached": telemetry.cached_tokens(choice),
+            "generation_settings": {"n_predict": call.max_tokens, "seed": body.seed if body.seed is not None else -1,
+                                    "temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p,
+                                    "min_p": body.min_p, "stop": body.stops(), "stream": body.stream,
+                                    "repeat_penalty": body.repeat_penalty},
+            "prompt": self._detokenize(call.prompts[choice.index // body.n]),
+            "has_new_line": "\n" in choice.text.sent, "truncated": False, "stop_type": stop_type,
+            "stopping_word": getattr(choice.text, "stop_string", "") if choice.text.stopped else "",
+            "timings": telemetry.timings(call, choice)}
+
+
+# ---- tokenize, detokenize ----------------------------------------------------------------
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    content: str
+    model: str | None = None
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tokens: list[int]
+    model: str | None = None
+
+
+def tokenize(model, body: TokenizeRequest) -> dict:
+    """llama-server's answer: ids, or {id, piece} with the piece as text, or as its bytes
+    where they are not UTF-8 on their own (part of a character)."""
+    ids = [int(t) for t in model.tokenize(body.content, add_special=body.add_special,
+                                         parse_special=body.parse_special)]
+    if not body.with_pieces:
+        return {"tokens": ids}
+    return {"tokens": [{"id": t, "piece": _piece(model.token_bytes(t, special=body.parse_special))} for t in ids]}
+
+
+def _piece(raw: bytes) -> str | list[int]:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)

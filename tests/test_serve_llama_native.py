@@ -1,0 +1,146 @@
+"""llama-server's own routes on `swarmkv serve` (issue 64), as its clients call them, with
+`requests` against a real server on loopback: the native /completion whole and streamed
+(llama-server's fields; the stream's pieces add up to the whole answer), its fields the
+engine does not act on refused by name, /tokenize with pieces and /detokenize, keys
+required as on every route, and CORS only for the origins --cors-origins names."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import requests
+
+from serve_process import Serve
+
+pytestmark = pytest.mark.slow
+
+KEY = "key-native-0123456789"
+ORIGIN = "https://app.example.com"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("native")
+    keys = folder / "keys"
+    keys.write_text(f"{KEY} web\n")
+    with Serve("--ctx-size", "2048", "--parallel", "4", "--api-key-file", str(keys),
+               "--cors-origins", f"{ORIGIN},localhost", log=folder / "serve.log") as s:
+        yield s
+
+
+def post(server, path: str, body: dict, key: str | None = KEY, **kw):
+    return requests.post(server.url + path, json=body, timeout=120,
+                         headers={"Authorization": f"Bearer {key}"} if key else {}, **kw)
+
+
+def events(reply) -> list[dict]:
+    return [json.loads(line[6:]) for line in reply.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+
+
+def test_a_native_completion_answers_in_llama_servers_fields(server):
+    reply = post(server, "/completion", {"prompt": "Once upon a time", "n_predict": 8, "temperature": 0,
+                                         "return_tokens": True, "cache_prompt": True})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["stop"] is True and body["stop_type"] == "limit" and body["truncated"] is False
+    assert body["tokens_predicted"] == 8 == len(body["tokens"]) and all(isinstance(t, int) for t in body["tokens"])
+    assert body["tokens_evaluated"] == len(post(server, "/tokenize", {"content": "Once upon a time"}).json()["tokens"])
+    assert body["timings"]["predicted_n"] == 8 and body["timings"]["prompt_n"] + body["timings"]["cache_n"] == \
+        body["tokens_evaluated"]
+    assert body["generation_settings"]["n_predict"] == 8 and body["prompt"] == "Once upon a time"
+    assert isinstance(body["has_new_line"], bool) and body["content"]
+    detok = post(server, "/detokenize", {"tokens": body["tokens"]}).json()["content"]
+    assert detok == body["content"]
+
+
+def test_the_stream_adds_up_to_the_whole_answer_and_ends_with_the_final_object(server):
+    asked = {"prompt": "The capital of France is", "n_predict": 12, "temperature": 0}
+    whole = post(server, "/completions", asked).json()
+    streamed = events(post(server, "/completion", {**asked, "stream": True}, stream=True))
+    assert all(e["stop"] is False for e in streamed[:-1]) and streamed[-1]["stop"] is True
+    assert "".join(e["content"] for e in streamed) == whole["content"]
+    assert streamed[-1]["tokens_predicted"] == whole["tokens_predicted"]
+
+
+def test_a_stop_word_ends_the_answer_and_is_named(server):
+    body = post(server, "/completion", {"prompt": "Count: 1, 2, 3,", "n_predict": 32, "temperature": 0,
+                                        "stop": [","]}).json()
+    assert body["stop_type"] == "word" and body["stopping_word"] == "," and "," not in body["content"]
+
+
+def test_fields_the_engine_does_not_act_on_are_refused_by_name(server):
+    reply = post(server, "/completion", {"prompt": "Hi", "n_predict": 4, "mirostat": 2})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "mirostat"
+    reply = post(server, "/completion", {"prompt": "Hi", "n_predict": 0})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "n_predict"
+
+
+def test_tokenize_with_pieces_and_detokenize_round_trip(server):
+    text = "A test with unicode 媽 and emoji 🤗"
+    ids = post(server, "/tokenize", {"content": text}).json()["tokens"]
+    pieces = post(server, "/tokenize", {"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == ids
+    raw = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces)
+    assert raw.decode() == text
+    assert any(isinstance(p["piece"], list) for p in pieces)       # an emoji's bytes split over tokens
+    assert post(server, "/detokenize", {"tokens": ids}).json()["content"] == text
+    bad = post(server, "/detokenize", {"tokens": [10 ** 9]})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_token"
+
+
+@pytest.mark.parametrize("path", ["/completion", "/completions", "/tokenize", "/detokenize"])
+def test_llama_servers_routes_need_the_key_too(server, path):
+    reply = post(server, path, {"prompt": "Hi", "content": "Hi", "tokens": [1]}, key=None)
+    assert reply.status_code == 401
+
+
+@pytest.mark.parametrize("origin,allowed", [(ORIGIN, True), ("http://localhost:5173", True),
+                                            ("http://127.0.0.1", True), ("https://evil.example", False),
+                                            ("http://localhost.evil.example", False)])
+def test_a_browser_preflight_is_answered_for_the_origins_named(server, origin, allowed):
+    reply = requests.options(server.url + "/v1/chat/completions", timeout=30, headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "Authorization, Content-Type"})
+    assert (reply.headers.get("access-control-allow-origin") == origin) is allowed
+    if allowed:
+        assert reply.status_code == 200 and "POST" in reply.headers["access-control-allow-methods"]
+
+
+def test_no_origin_is_allowed_unless_named(tmp_path):
+    with Serve("--ctx-size", "1024", "--parallel", "2", log=tmp_path / "serve.log") as server:
+        reply = requests.options(server.url + "/v1/chat/completions", timeout=30, headers={
+            "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in reply.headers
+
+
+def test_response_fields_pick_what_comes_back(server):
+    body = post(server, "/completion", {"prompt": "Hello", "n_predict": 4, "response_fields": [
+        "content", "generation_settings/n_predict", "no_such_field"]}).json()
+    assert set(body) == {"content", "generation_settings/n_predict"} and body["generation_settings/n_predict"] == 4
+
+
+@pytest.mark.parametrize("form", ["pairs", "object"])
+def test_logit_bias_bans_tokens_given_as_text_or_ids(server, form):
+    asked = {"prompt": "The capital of France is", "n_predict": 6, "temperature": 0}
+    first = post(server, "/completion", {**asked, "return_tokens": True}).json()["tokens"][0]
+    text = post(server, "/detokenize", {"tokens": [first]}).json()["content"]
+    for banned in (first, text):
+        bias = [[banned, False]] if form == "pairs" else {str(banned): -100}
+        body = post(server, "/completion", {**asked, "logit_bias": bias, "return_tokens": True}).json()
+        assert first not in body["tokens"], (banned, body)
+
+
+def test_openai_answers_carry_a_system_fingerprint_and_models_their_aliases(server):
+    from openai import OpenAI
+    client = OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    done = client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=2)
+    assert done.system_fingerprint.startswith("b")
+    chat = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=2)
+    assert chat.system_fingerprint == done.system_fingerprint
+    card = requests.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert card["data"][0]["aliases"] == ["smollm2-135m"] and card["data"][0]["tags"] == []
+    wrong = requests.post(server.url + "/completion", json={"prompt": "Hi"}, timeout=30,
+                          headers={"Authorization": "Bearer wrong-key-0000"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
