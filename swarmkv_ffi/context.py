@@ -24,6 +24,8 @@ KV_TYPES = {name: library.enum("ggml_type")[f"GGML_TYPE_{name.upper()}"]
             for name in ("f32", "f16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "bf16")}
 FLASH_ATTN = {name: library.enum("llama_flash_attn_type")[f"LLAMA_FLASH_ATTN_TYPE_{c}"]
               for name, c in (("auto", "AUTO"), ("off", "DISABLED"), ("on", "ENABLED"))}
+POOLING = {name: library.enum("llama_pooling_type")[f"LLAMA_POOLING_TYPE_{name.upper()}"]
+           for name in ("unspecified", "none", "mean")}
 
 
 @dataclass
@@ -48,11 +50,15 @@ class ContextParams:
     n_threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     n_threads_batch: int | None = None
     batch_invariant: bool = False
+    embeddings: bool = False          # decode for embeddings (pooled per sequence) instead of logits
+    pooling: str = "unspecified"      # how a sequence's rows become one embedding: the model's, or mean
 
     def validate(self) -> None:
         for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max", "n_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ContextParams.{name} must be >= 1, got {getattr(self, name)}")
+        if self.pooling not in POOLING:
+            raise ValueError(f"pooling must be one of {sorted(POOLING)}, got {self.pooling!r}")
         if self.flash_attn not in FLASH_ATTN:
             raise ValueError(f"flash_attn must be one of {sorted(FLASH_ATTN)}, got {self.flash_attn!r}")
         for name in ("type_k", "type_v"):
@@ -68,6 +74,7 @@ class ContextParams:
         p.type_k, p.type_v = KV_TYPES[self.type_k], KV_TYPES[self.type_v]
         p.n_threads = self.n_threads
         p.n_threads_batch = self.n_threads_batch or self.n_threads
+        p.embeddings, p.pooling_type = self.embeddings, POOLING[self.pooling]
         p.no_perf = True
         return p
 
@@ -203,6 +210,23 @@ class Context(Owned):
                 f"llama_get_logits_ith({row}) returned NULL: that row did not ask for logits "
                 f"in the last decode. {said}", 0)
         return np.frombuffer(ffi.buffer(ptr, self._n_vocab * 4), dtype=np.float32)
+
+    @property
+    def pooling(self) -> str:
+        """How this context pools a sequence's rows into its embedding (embeddings mode)."""
+        value = self._lib.llama_pooling_type(self.handle)
+        return next((name for name, v in POOLING.items() if v == value), f"type {value}")
+
+    def embedding(self, seq: int) -> np.ndarray:
+        """Sequence `seq`'s pooled embedding from the last decode (a copy), in a context
+        made with embeddings=True and a pooling other than none."""
+        ptr = self._lib.llama_get_embeddings_seq(self.handle, seq)
+        if ptr == ffi.NULL:
+            raise errors.DecodeError(f"llama_get_embeddings_seq({seq}) returned NULL: the context is not in "
+                                     f"embeddings mode with pooling (it pools: {self.pooling}), or the sequence "
+                                     "was not in the last decode", 0)
+        n_embd = self._lib.llama_model_n_embd(self.model.handle)
+        return np.frombuffer(ffi.buffer(ptr, n_embd * 4), dtype=np.float32).copy()
 
     # ---- memory (KV cells) --------------------------------------------------------------
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:

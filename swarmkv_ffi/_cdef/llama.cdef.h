@@ -239,6 +239,8 @@ int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
 void llama_synchronize(struct llama_context * ctx);
 float * llama_get_logits(struct llama_context * ctx);
 float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
+float * llama_get_embeddings_seq(struct llama_context * ctx, llama_seq_id seq_id);
+enum llama_pooling_type llama_pooling_type(const struct llama_context * ctx);
 
 struct llama_sampler * llama_sampler_chain_init(struct llama_sampler_chain_params params);
 void   llama_sampler_chain_add(struct llama_sampler * chain, struct llama_sampler * smpl);

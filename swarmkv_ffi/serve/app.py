@@ -5,6 +5,7 @@
     GET  /v1/models              the served model
     POST /v1/chat/completions    chat, whole or streamed (server-sent events)
     POST /v1/completions         text completion, whole or streamed
+    POST /v1/embeddings          a unit vector per input (embeddings.py)
     POST /v1/responses           OpenAI's Responses API (openai_responses.py), whole or streamed
     GET, DELETE /v1/responses/{response_id}   a stored response of the key's
     POST /v1/messages            Anthropic's Messages API (anthropic.py), whole or streamed
@@ -32,6 +33,7 @@ def create_app(engine: ServeEngine, keys: Keys, settings: Settings) -> FastAPI:
         app.add_api_route(f"{prefix}/models", routes.models, methods=["GET"])
         app.add_api_route(f"{prefix}/chat/completions", routes.chat, methods=["POST"])
         app.add_api_route(f"{prefix}/responses", routes.responses, methods=["POST"])
+        app.add_api_route(f"{prefix}/embeddings", routes.embeddings, methods=["POST"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", routes.stored_response, methods=["GET"])

@@ -14,11 +14,13 @@ without rebuilding each other's cells.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 from ..conductor import Conductor, ContextFull, RequestPool, vetted
 from ..kvcache.host import HostTier
 from ..kvcache.tier import PrefixTier
 from . import sizing, templates
+from .embeddings import Embedder
 from .errors import context_exceeded
 from .lineup import ModelSpec
 from .settings import Settings
@@ -36,6 +38,8 @@ class HostedModel:
     host_tier: HostTier | None
     default_max_tokens: int
     chat_template: str | None = None
+    _embedder: Embedder | None = None
+    _embedder_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     @classmethod
     def open(cls, conductor: Conductor, spec: ModelSpec, settings: Settings,
@@ -86,8 +90,22 @@ class HostedModel:
             raise context_exceeded(exc, what) from None
         return asked
 
+    def embedder(self) -> Embedder:
+        """Its embeddings context (embeddings.py), made and booked in the ledger on first use."""
+        with self._embedder_lock:
+            if self._embedder is None:
+                conductor = self.pool.conductor
+                self._embedder = Embedder(self.model, conductor.ledger, f"model:embeddings:{self.name}",
+                                          conductor.n_threads)
+            return self._embedder
+
     def close(self) -> None:
-        """Free the pool and its booking, and the host tier's (no request runs here)."""
+        """Free the pool and its booking, the embeddings context's and the host tier's (no
+        request runs here)."""
+        with self._embedder_lock:
+            if self._embedder is not None:
+                self._embedder.close()
+                self._embedder = None
         self.pool.close()
         if self.host_tier is not None:
             self.host_tier.clear()

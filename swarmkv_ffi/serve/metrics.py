@@ -41,7 +41,7 @@ class KeyCounts:
 
 
 #: The APIs requests come in by (swarmkv_requests_by_api_total's label).
-APIS = ("chat", "completions", "responses", "messages")
+APIS = ("chat", "completions", "responses", "messages", "embeddings")
 
 
 class Tally:

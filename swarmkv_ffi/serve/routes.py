@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .. import grammar
 from . import anthropic, llama_native, openai_responses, structured, templates, volatile
+from . import embeddings as embeddings_api
 from .calls import Call
 from .engine import ServeEngine
 from .hosted import HostedModel
@@ -278,6 +279,31 @@ async def run_completion(request: Request, who: int, body: CompletionRequest, sh
         raise
     s.engine.tally.asked(who, "completions")
     return await answer(request, call, shape_for(name, hosted.model))
+
+
+async def embeddings(request: Request):
+    """OpenAI's POST /v1/embeddings (embeddings.py): a unit vector per input, counted as
+    one choice in flight of the key's while it runs."""
+    who = owner_of(request)
+    s = served(request)
+    async with s.preparing(who):
+        body = await read_body(request, embeddings_api.EmbeddingsRequest, s)
+    name = s.engine.resolve(body.model)
+    use = await s.engine.use(who, name, None)
+    try:
+        model = use.hosted.model
+        async with s.preparing(who):
+            inputs = await asyncio.to_thread(embeddings_api.tokens_of, model, body)
+        s.engine.admit(who, 1)
+        try:
+            embedder = await asyncio.to_thread(use.hosted.embedder)
+            vectors = await asyncio.to_thread(embedder.embed, inputs)
+        finally:
+            s.engine.leave(who, 1)
+    finally:
+        use.release()
+    s.engine.tally.asked(who, "embeddings")
+    return embeddings_api.answer(name, vectors, sum(map(len, inputs)), body.encoding_format)
 
 
 async def tokenize(request: Request):

@@ -1,0 +1,139 @@
+"""POST /v1/embeddings (and /embeddings): OpenAI's embeddings from a served model (issue 64).
+
+Agents retrieve, and llama-server, vLLM, SGLang, Ollama and LM Studio all answer this
+route. A generation pool keeps only the rows it samples from, so each hosted model gets,
+on its first embeddings request, a context of its own in embeddings mode beside its pool
+(`Embedder`): the model's own pooling, mean where it has none (a generative model's), and
+vectors of length 1, as OpenAI's are. The context's memory (libllama's own count of its
+cells and compute buffers) is booked in the ledger under the model's name before it is
+used, and freed with the model; with no room the request gets 503.
+
+A request's inputs are packed into as few decodes as the context holds (EMBED_CELLS
+tokens, EMBED_SEQS inputs each), one request at a time per model, on a worker thread; an
+input longer than EMBED_CELLS tokens is a 400 naming it. Each input is its own sequence
+and pooled over its own rows, so what else shares its decode changes which kernels round
+its sums, not what it attends to (compare vectors with a tolerance).
+"""
+from __future__ import annotations
+
+import base64
+import threading
+from typing import Literal, Union
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..admission.ledger import LedgerDenied
+from ..batch import Batch
+from ..context import Context
+from .errors import Refused
+
+#: Tokens one decode of the embeddings context holds: the longest input it takes.
+EMBED_CELLS = 2048
+#: Inputs one decode packs.
+EMBED_SEQS = 16
+#: Inputs one request may hold (OpenAI's limit).
+MAX_INPUTS = 2048
+
+
+class EmbeddingsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    input: Union[str, list[int], list[Union[str, list[int]]]]     # several: text and ids mixed, as llama-server
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if x and all(isinstance(t, int) for t in x):
+            return [list(x)]
+        return list(x)
+
+
+class Embedder:
+    """A model's embeddings context and its ledger booking; embed() serialises callers."""
+
+    def __init__(self, model, ledger, key: str, n_threads: int | None = None):
+        kw = {"n_threads": n_threads} if n_threads else {}
+        # kv_unified: the whole decode in one ubatch (split per sequence, an input longer than
+        # another was pooled over its last rows only: 0.21 off its vector alone).
+        kw.update(n_ctx=EMBED_CELLS, n_batch=EMBED_CELLS, n_ubatch=EMBED_CELLS, n_seq_max=EMBED_SEQS,
+                  kv_unified=True, embeddings=True)
+        ctx = Context(model, **kw)
+        if ctx.pooling == "none":                  # a generative model: mean over the input's rows
+            ctx.close()
+            ctx = Context(model, pooling="mean", **kw)
+        try:
+            ledger.reserve(key, max(1, sum(ctx.memory_bytes())))
+        except LedgerDenied as exc:
+            ctx.close()
+            raise Refused(503, f"no memory for this model's embeddings context ({exc})", "no_room") from None
+        self.ctx, self.ledger, self.key = ctx, ledger, key
+        self._lock = threading.Lock()
+        self._batch = Batch(EMBED_CELLS)
+
+    def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """One unit vector per input (rows in order)."""
+        out = np.zeros((len(inputs), self.ctx.model.n_embd), dtype=np.float32)
+        with self._lock:
+            start = 0
+            while start < len(inputs):
+                end, cells = start, 0
+                while end < len(inputs) and end - start < EMBED_SEQS and cells + len(inputs[end]) <= EMBED_CELLS:
+                    cells += len(inputs[end])
+                    end += 1
+                self._decode(inputs[start:end], out[start:end])
+                start = end
+        norms = np.linalg.norm(out, axis=1, keepdims=True)
+        return out / np.where(norms > 0, norms, 1)
+
+    def _decode(self, group: list[list[int]], into: np.ndarray) -> None:
+        self.ctx.clear()
+        self._batch.clear()
+        for seq, tokens in enumerate(group):
+            self._batch.add_sequence(np.asarray(tokens, dtype=np.int32), 0, seq, logits_last=True)
+        self.ctx.decode(self._batch)
+        for seq in range(len(group)):
+            into[seq] = self.ctx.embedding(seq)
+
+    def close(self) -> None:
+        with self._lock:
+            self.ctx.close()
+            self.ledger.release(self.key)
+
+
+def tokens_of(model, body: EmbeddingsRequest) -> list[list[int]]:
+    """Every input as tokens, each checked: not empty, within EMBED_CELLS, ids in the vocabulary."""
+    inputs = body.inputs()
+    if not inputs or len(inputs) > MAX_INPUTS:
+        raise Refused(400, f"input: give 1 to {MAX_INPUTS} inputs, got {len(inputs)}", "invalid_value", "input")
+    if body.dimensions is not None and body.dimensions != model.n_embd:
+        raise Refused(400, f"dimensions: this model's embeddings have {model.n_embd}; shortening them is not "
+                      "supported", "unsupported_parameter", "dimensions")
+    out = []
+    for i, x in enumerate(inputs):
+        if isinstance(x, str) and len(x) > EMBED_CELLS * 64:
+            raise Refused(400, f"input[{i}]: {len(x)} characters cannot fit {EMBED_CELLS} tokens",
+                          "context_length_exceeded", "input")
+        tokens = x if isinstance(x, list) else [int(t) for t in model.tokenize(x, add_special=True)]
+        bad = next((t for t in tokens if not 0 <= t < model.n_vocab), None)
+        if bad is not None:
+            raise Refused(400, f"input[{i}]: token {bad} is not in the model's vocabulary", "invalid_token", "input")
+        if not tokens or len(tokens) > EMBED_CELLS:
+            raise Refused(400, f"input[{i}]: {len(tokens)} tokens is too large; an input takes 1 to {EMBED_CELLS}",
+                          "context_length_exceeded", "input")
+        out.append(tokens)
+    return out
+
+
+def answer(name: str, vectors: np.ndarray, n_tokens: int, encoding: str) -> dict:
+    """OpenAI's list of embeddings: floats, or base64 of little-endian float32 (what the
+    openai client asks for and decodes by default)."""
+    def encoded(v: np.ndarray):
+        return base64.b64encode(v.astype("<f4").tobytes()).decode() if encoding == "base64" else v.tolist()
+    return {"object": "list", "model": name,
+            "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}

@@ -1,0 +1,69 @@
+"""POST /v1/embeddings (issue 64) through a real server and the `openai` client: a unit
+vector per input, the same text the same vector whether asked alone or among others (to a
+tolerance: what shares a decode changes the kernels' rounding), token ids as good as text,
+both encodings, the embeddings context booked in the ledger, and bad inputs refused by
+name."""
+from __future__ import annotations
+
+import numpy as np
+import openai
+import pytest
+import requests
+
+from serve_process import MODEL, Serve, scrape
+from swarmkv_ffi.serve.embeddings import EMBED_CELLS
+
+pytestmark = pytest.mark.slow
+
+TEXTS = ["The cat sat on the mat.", "Quarterly revenue rose by four percent.", "The cat sat on the mat."]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with Serve("--ctx-size", "2048", "--parallel", "4", log=tmp_path_factory.mktemp("emb") / "serve.log") as s:
+        yield s
+
+
+def vectors(client, inputs, **kw) -> np.ndarray:
+    return np.array([d.embedding for d in client.embeddings.create(model=MODEL, input=inputs, **kw).data])
+
+
+def test_one_unit_vector_per_input_and_alike_texts_alike(server, smol):
+    booked_before = scrape(server, None)[("swarmkv_memory_bytes", (("state", "booked"),))]
+    v = vectors(server.client(), TEXTS)
+    assert v.shape == (3, smol.n_embd)
+    assert np.allclose(np.linalg.norm(v, axis=1), 1, atol=1e-5)
+    assert np.allclose(v[0], v[2], atol=1e-5) and v[0] @ v[1] < 0.99
+    assert scrape(server, None)[("swarmkv_memory_bytes", (("state", "booked"),))] > booked_before
+
+
+def test_alone_or_among_others_token_ids_or_text_floats_or_base64(server, smol):
+    client = server.client()
+    together = vectors(client, TEXTS)
+    alone = vectors(client, TEXTS[1])[0]
+    assert np.allclose(alone, together[1], atol=1e-4)
+    ids = [int(t) for t in smol.tokenize(TEXTS[1], add_special=True)]
+    assert np.allclose(vectors(client, [ids])[0], alone, atol=1e-4)
+    floats = vectors(client, TEXTS[1], encoding_format="float")[0]       # the client's default is base64
+    assert np.allclose(floats, alone, atol=1e-6)
+    usage = client.embeddings.create(model=MODEL, input=TEXTS).usage
+    assert usage.prompt_tokens == usage.total_tokens == sum(len(smol.tokenize(t, add_special=True)) for t in TEXTS)
+
+
+@pytest.mark.parametrize("inputs,param_text", [
+    ("", "input[0]: 0 tokens"), ("word " * (EMBED_CELLS + 10), "input[0]: .* too large"),
+    (["Hi", [10 ** 9]], "input[1]: token"), ([[10 ** 9]], "not in the model's vocabulary"), ([], "give 1 to")])
+def test_bad_inputs_are_refused_by_name(server, inputs, param_text):
+    with pytest.raises(openai.BadRequestError, match=param_text.replace("[", r"\[").replace("]", r"\]")):
+        server.client().embeddings.create(model=MODEL, input=inputs)
+
+
+def test_dimensions_other_than_the_models_are_refused(server, smol):
+    with pytest.raises(openai.BadRequestError, match="dimensions"):
+        server.client().embeddings.create(model=MODEL, input="Hi", dimensions=8)
+    assert len(vectors(server.client(), "Hi", dimensions=smol.n_embd)[0]) == smol.n_embd
+
+
+def test_the_bare_route_answers_too(server):
+    reply = requests.post(server.url + "/embeddings", json={"input": "Hi"}, timeout=60)
+    assert reply.status_code == 200 and reply.json()["data"][0]["object"] == "embedding"
