@@ -35,7 +35,8 @@ def post(server, path: str, body: dict, key: str | None = KEY, **kw):
 
 
 def events(reply) -> list[dict]:
-    return [json.loads(line[6:]) for line in reply.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    return [json.loads(line[6:]) for line in reply.iter_lines(decode_unicode=True)
+            if line.startswith("data: ") and line != "data: [DONE]"]
 
 
 def test_a_native_completion_answers_in_llama_servers_fields(server):
@@ -144,3 +145,49 @@ def test_openai_answers_carry_a_system_fingerprint_and_models_their_aliases(serv
     wrong = requests.post(server.url + "/completion", json={"prompt": "Hi"}, timeout=30,
                           headers={"Authorization": "Bearer wrong-key-0000"})
     assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+
+
+# ---- llama-server's extras on chat completions ----------------------------------------------
+
+def chat_body(**extra) -> dict:
+    return {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 6, **extra}
+
+
+def test_a_chat_stream_opens_with_null_content_and_carries_timings_when_asked(server):
+    chunks = [c for c in events(post(server, "/v1/chat/completions", chat_body(
+        stream=True, timings_per_token=True, stream_options={"include_usage": True}), stream=True))]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None} and "timings" not in chunks[0]
+    assert all("timings" in c for c in chunks[1:])
+    assert chunks[-1]["choices"] == [] and 0 < chunks[-1]["timings"]["predicted_n"] <= 6
+    plain = events(post(server, "/v1/chat/completions", chat_body(stream=True), stream=True))
+    assert not any("timings" in c for c in plain)
+
+
+@pytest.mark.parametrize("form", [{"json_schema": {"const": "42"}},
+                                  {"response_format": {"type": "json_object", "schema": {"const": "42"}}},
+                                  {"response_format": {"type": "json_schema", "json_schema": {"schema": {"const": "42"}}}}])
+def test_llama_servers_ways_of_giving_a_schema(server, form):
+    reply = post(server, "/v1/chat/completions", chat_body(**form))
+    assert reply.status_code == 200, reply.text
+    assert json.loads(reply.json()["choices"][0]["message"]["content"]) == "42"
+
+
+def test_a_schema_given_twice_is_refused(server):
+    reply = post(server, "/v1/chat/completions", chat_body(json_schema={"const": "1"},
+                                                           response_format={"type": "json_object"}))
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "json_schema"
+
+
+def test_a_prompt_over_the_context_says_how_long_it_is(server):
+    reply = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 3000}]})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert error["type"] == "exceed_context_size_error" and error["n_prompt_tokens"] > error["n_ctx"] > 2000
+    assert f"maximum context length is {error['n_ctx']} tokens" in error["message"]
+
+
+def test_id_slot_is_accepted_and_input_tokens_counts_the_prompt(server):
+    reply = post(server, "/chat/completions", chat_body(n=2, id_slot=0))
+    assert reply.status_code == 200 and len(reply.json()["choices"]) == 2
+    counted = post(server, "/chat/completions/input_tokens", chat_body()).json()["input_tokens"]
+    assert counted == reply.json()["usage"]["prompt_tokens"]

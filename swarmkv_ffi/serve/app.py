@@ -32,6 +32,7 @@ def create_app(engine: ServeEngine, keys: Keys, settings: Settings) -> FastAPI:
         app.add_api_route(f"{prefix}/health", routes.health, methods=["GET"])
         app.add_api_route(f"{prefix}/models", routes.models, methods=["GET"])
         app.add_api_route(f"{prefix}/chat/completions", routes.chat, methods=["POST"])
+        app.add_api_route(f"{prefix}/chat/completions/input_tokens", routes.chat_input_tokens, methods=["POST"])
         app.add_api_route(f"{prefix}/responses", routes.responses, methods=["POST"])
         app.add_api_route(f"{prefix}/embeddings", routes.embeddings, methods=["POST"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])

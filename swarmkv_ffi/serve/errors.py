@@ -35,16 +35,21 @@ class Refused(Exception):
     """A request the server will not run; `status` is the HTTP status it maps to."""
 
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
-                 retry_after: float | None = None):
+                 retry_after: float | None = None, details: dict | None = None):
         super().__init__(message)
         self.status, self.code, self.param = status, code, param
         self.retry_after = retry_after        # seconds, sent as Retry-After (the openai client honours it)
+        self.details = details or {}          # more fields of the error object (llama-server's)
 
 
-def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
-    """OpenAI's error object: a response's body, or an event in a stream that has begun."""
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None,
+               details: dict | None = None) -> dict:
+    """OpenAI's error object: a response's body, or an event in a stream that has begun;
+    `details` adds fields (or a more precise type) clients of llama-server read."""
     detail = ErrorDetail(message=message, type=ERROR_TYPES.get(status, "server_error"), param=param, code=code)
-    return ErrorBody(error=detail).model_dump()
+    body = ErrorBody(error=detail).model_dump()
+    body["error"].update(details or {})
+    return body
 
 
 def anthropic_error_body(status: int, message: str) -> dict:
@@ -53,16 +58,16 @@ def anthropic_error_body(status: int, message: str) -> dict:
 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
-                   path: str = "", headers: dict | None = None) -> JSONResponse:
+                   path: str = "", headers: dict | None = None, details: dict | None = None) -> JSONResponse:
     """The error as the API at `path` writes it: Anthropic's under /v1/messages, else OpenAI's."""
     if path.startswith(ANTHROPIC_PATHS):
         return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
-    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, code, param, details), status_code=status, headers=headers)
 
 
 def refused_response(exc: Refused, path: str = "") -> JSONResponse:
     headers = None if exc.retry_after is None else {"Retry-After": str(math.ceil(exc.retry_after))}
-    return error_response(exc.status, str(exc), exc.code, exc.param, path, headers)
+    return error_response(exc.status, str(exc), exc.code, exc.param, path, headers, exc.details)
 
 
 def validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
@@ -108,7 +113,9 @@ def context_exceeded(exc: ContextFull, what: str) -> Refused:
     return Refused(400, f"This model's maximum context length is {exc.limit} tokens. However, you "
                    f"requested {asked} tokens ({exc.held + exc.new} in the {what}, {exc.max_tokens} in the "
                    "completion). Please reduce the length of the messages or completion.",
-                   "context_length_exceeded", what)
+                   "context_length_exceeded", what,
+                   details={"type": "exceed_context_size_error", "n_prompt_tokens": exc.held + exc.new,
+                            "n_ctx": exc.limit})
 
 
 def refused(exc: BaseException) -> Refused:

@@ -19,6 +19,7 @@ import json
 import time
 import uuid
 
+from . import telemetry
 from .calls import Call, Choice
 from .errors import Refused, error_body
 from .schemas import (ChatChoice, ChatChunk, ChatCompletion, ChatLogprobs, ChatMessage, ChunkChoice, Completion,
@@ -70,7 +71,7 @@ class Events:
         return usage + ["data: [DONE]\n\n"]
 
     def error(self, exc: Refused) -> str:
-        return sse(error_body(exc.status, str(exc), exc.code))
+        return sse(error_body(exc.status, str(exc), exc.code, details=exc.details))
 
 
 class ChatShape:
@@ -92,15 +93,20 @@ class ChatShape:
         return ChatCompletion(id=self.id, created=int(time.time()), model=self.model, choices=choices,
                               usage=call.usage(), system_fingerprint=fingerprint())
 
-    def _chunk(self, call: Call, choices: list[ChunkChoice], **usage) -> ChatChunk:
-        if call.body.usage_in_stream and not usage:
-            usage = {"usage": None}       # every chunk says it, null but the last
+    def _chunk(self, call: Call, choices: list[ChunkChoice], **extra) -> ChatChunk:
+        if call.body.usage_in_stream and "usage" not in extra:
+            extra["usage"] = None         # every chunk says it, null but the last
         return ChatChunk(id=self.id, created=int(time.time()), model=self.model, choices=choices,
-                         system_fingerprint=fingerprint(), **usage)
+                         system_fingerprint=fingerprint(), **extra)
+
+    @staticmethod
+    def _timings(call: Call, choice: Choice) -> dict:
+        """llama-server's timings_per_token: the choice's figures so far on its chunks."""
+        return {"timings": telemetry.timings(call, choice)} if getattr(call.body, "timings_per_token", False) else {}
 
     def opening(self, call: Call):
         for c in call.choices:
-            yield self._chunk(call, [ChunkChoice(index=c.index, delta=Delta(role="assistant", content=""))])
+            yield self._chunk(call, [ChunkChoice(index=c.index, delta=Delta(role="assistant", content=None))])
 
     def piece(self, call: Call, choice: Choice, text: str) -> ChatChunk | None:
         fresh = choice.logprobs[choice.logprobs_sent:]
@@ -108,7 +114,7 @@ class ChatShape:
             return None
         choice.logprobs_sent = len(choice.logprobs)
         return self._chunk(call, [ChunkChoice(index=choice.index, delta=Delta(content=text),
-                                              logprobs=self._logprobs(call, fresh))])
+                                              logprobs=self._logprobs(call, fresh))], **self._timings(call, choice))
 
     def ending(self, call: Call, choice: Choice) -> list[ChatChunk]:
         out, reply = [], None
@@ -124,11 +130,12 @@ class ChatShape:
                 out += [self._chunk(call, [ChunkChoice(index=choice.index, delta=Delta(tool_calls=[p]))])
                         for p in (head, body)]
         out.append(self._chunk(call, [ChunkChoice(index=choice.index, delta=Delta(),
-                                                  finish_reason=choice.finish_reason(reply))]))
+                                                  finish_reason=choice.finish_reason(reply))],
+                               **self._timings(call, choice)))
         return out
 
     def usage_chunk(self, call: Call) -> ChatChunk:
-        return self._chunk(call, [], usage=call.usage())
+        return self._chunk(call, [], usage=call.usage(), **self._timings(call, call.choices[0]))
 
 
 class CompletionShape:

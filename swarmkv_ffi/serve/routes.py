@@ -190,6 +190,21 @@ async def count_tokens(request: Request):
     return {"input_tokens": len(tokens)}
 
 
+async def chat_input_tokens(request: Request):
+    """llama-server's POST /chat/completions/input_tokens: the prompt a chat request makes, counted."""
+    who = owner_of(request)
+    s = served(request)
+    async with s.preparing(who):
+        body = await read_body(request, ChatRequest, s)
+    use = await s.engine.use(who, s.engine.resolve(body.model), None)
+    try:
+        async with s.preparing(who):
+            tokens, _ = await prepared_chat(use.hosted, body, s.settings)
+    finally:
+        use.release()
+    return {"input_tokens": len(tokens)}
+
+
 async def apply_template(request: Request):
     """llama-server's POST /apply-template: the prompt a chat request's messages make, as
     text (nothing runs)."""

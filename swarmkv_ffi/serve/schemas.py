@@ -171,13 +171,14 @@ class TextFormat(BaseModel):
 
 
 class JsonObjectFormat(BaseModel):
-    model_config = STRICT
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
     type: Literal["json_object"]
+    schema_: dict[str, Any] | None = Field(None, alias="schema")    # llama-server's: an object by this schema
 
 
 class JsonSchemaSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    name: str = Field(pattern=TOOL_NAME)
+    name: str = Field("response", pattern=TOOL_NAME)      # OpenAI requires it; llama-server does not
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: bool | None = None          # always kept: the output follows the schema exactly
@@ -270,6 +271,9 @@ class ChatRequest(Sampling):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None     # None: as the template can (structured.plan)
+    json_schema: dict[str, Any] | None = None   # llama-server's: response_format json_schema in one field
+    timings_per_token: bool = False             # llama-server's: a `timings` object on every chunk
+    id_slot: int | None = None                  # llama-server's slot: there are none here, any runs anywhere
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -408,7 +412,7 @@ class ChunkChoice(Shape):
 
 
 class ChatChunk(Shape):
-    omit_unset = frozenset({"usage"})
+    omit_unset = frozenset({"usage", "timings"})
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -416,6 +420,7 @@ class ChatChunk(Shape):
     system_fingerprint: Optional[str] = None
     choices: list[ChunkChoice]
     usage: Optional[Usage] = None
+    timings: Optional[dict] = None     # llama-server's telemetry (timings_per_token)
 
 
 class CompletionLogprobs(Shape):

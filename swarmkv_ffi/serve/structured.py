@@ -114,13 +114,13 @@ def plan(body, parallel_default: bool = False) -> Structure:
     tools = getattr(body, "tools", None) or []
     choice = getattr(body, "tool_choice", None)
     if raw is not None:
-        if tools or (fmt is not None and fmt.type != "text"):
+        if tools or (fmt is not None and fmt.type != "text") or getattr(body, "json_schema", None) is not None:
             raise Refused(400, "grammar cannot be combined with tools or a JSON response_format",
                           "invalid_request_error", "grammar")
         return Structure(grammar=_lark(raw))
     if choice is not None and not tools:
         raise Refused(400, "tool_choice is only allowed when tools are specified", None, "tool_choice")
-    response = _response_schema(fmt)
+    response = _response_schema(fmt, getattr(body, "json_schema", None))
     if not tools or choice == "none":
         return Structure(grammar=None if response is None else _compile(response, "response_format"),
                          response_is_json=response is not None, param="response_format")
@@ -154,11 +154,17 @@ def envelope(functions: list[dict], auto: bool, parallel: bool, response: dict |
     return schema
 
 
-def _response_schema(fmt) -> dict | None:
+def _response_schema(fmt, extra: dict | None = None) -> dict | None:
+    """The answer's schema: response_format's, or llama-server's `json_schema` field."""
+    if extra is not None:
+        if fmt is not None and fmt.type != "text":
+            raise Refused(400, "json_schema and response_format both set the answer's form: give one",
+                          "invalid_request_error", "json_schema")
+        return extra
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return {"type": "object"}
+        return fmt.schema_ if fmt.schema_ is not None else {"type": "object"}
     return fmt.json_schema.schema_ or {}
 
 
