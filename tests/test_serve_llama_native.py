@@ -191,3 +191,20 @@ def test_id_slot_is_accepted_and_input_tokens_counts_the_prompt(server):
     assert reply.status_code == 200 and len(reply.json()["choices"]) == 2
     counted = post(server, "/chat/completions/input_tokens", chat_body()).json()["input_tokens"]
     assert counted == reply.json()["usage"]["prompt_tokens"]
+
+
+def test_n_probs_whole_and_one_token_per_streamed_event(server, smol):
+    asked = {"prompt": "I believe the meaning of life is", "n_predict": 5, "temperature": 0, "n_probs": 3,
+             "return_tokens": True}
+    whole = post(server, "/completion", asked).json()
+    probs = whole["completion_probabilities"]
+    assert [p["id"] for p in probs] == whole["tokens"]
+    for p in probs:
+        assert p["logprob"] <= 0 and len(p["top_logprobs"]) == 3
+        assert p["top_logprobs"][0]["id"] == p["id"]                     # greedy: the likeliest was taken
+        assert bytes(p["bytes"]) == smol.token_bytes(p["id"])
+        assert [t["logprob"] for t in p["top_logprobs"]] == sorted((t["logprob"] for t in p["top_logprobs"]),
+                                                                    reverse=True)
+    streamed = events(post(server, "/completion", {**asked, "stream": True}, stream=True))
+    per_event = [e["completion_probabilities"] for e in streamed if not e["stop"]]
+    assert all(len(p) == 1 for p in per_event) and [p[0] for p in per_event] == probs

@@ -29,6 +29,7 @@ class Choice:
     def __init__(self, index: int, stream: TextStream):
         self.index, self.text = index, stream
         self.logprobs: list[TokenLogprob] = []
+        self.ranked_ids: list[tuple[int, list[int]]] = []   # each logprobs entry's token ids (llama_native)
         self.logprobs_sent = 0            # entries already streamed
         self.result, self.error = None, None
         self.job: Job | None = None
@@ -96,6 +97,7 @@ class Call:
             piece = choice.text.feed(token)
             if ranked is not None:
                 choice.logprobs.append(self._logprob_entry(token, ranked))
+                choice.ranked_ids.append((token, [t for t, _ in ranked[1]]))
             if stream:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, ("text", choice, piece))
             return not choice.text.stopped

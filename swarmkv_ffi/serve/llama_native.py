@@ -60,6 +60,7 @@ class NativeCompletion(BaseModel):
     grammar: str | None = None
     return_tokens: bool = False
     response_fields: list[str] = Field(default_factory=list, max_length=64)
+    n_probs: int = Field(0, ge=0, le=20)
     keep_alive: Union[float, str, None] = None
 
     @field_validator("prompt")
@@ -89,7 +90,8 @@ class NativeCompletion(BaseModel):
             "seed": None if self.seed < 0 else self.seed, "stop": self.stop or None, "stream": self.stream,
             "repeat_penalty": self.repeat_penalty, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "grammar": self.grammar,
-            "model": self.model, "keep_alive": self.keep_alive, "return_tokens": self.return_tokens})
+            "model": self.model, "keep_alive": self.keep_alive, "return_tokens": self.return_tokens,
+            "n_probs": self.n_probs})
 
     def _prompts(self):
         """The prompt as OpenAI's field takes it: one text or token list, or several of one kind."""
@@ -129,9 +131,13 @@ class NativeAsked(CompletionRequest):
     """A native completion as the engine runs it: no limit means as far as the context
     and --default-max-tokens allow (OpenAI's completions default to 16)."""
     return_tokens: bool = False
+    n_probs: int = 0
 
     def limit(self) -> int | None:
         return self.max_tokens
+
+    def ranked(self) -> int | None:
+        return self.n_probs or None
 
 
 class NativeShape:
@@ -141,7 +147,7 @@ class NativeShape:
         self.model, self._detokenize, self.fields = model, detokenize, fields or []
 
     def whole(self, call: Call) -> Any:
-        done = [self._picked(self._final(call, c, c.text.sent)) for c in call.choices]
+        done = [self._picked(self._final(call, c, c.text.sent, whole=True)) for c in call.choices]
         return done[0] if len(done) == 1 else done
 
     def _picked(self, final: dict) -> dict:
@@ -162,10 +168,23 @@ class NativeShape:
         return []
 
     def piece(self, call: Call, choice: Choice, text: str):
-        if not text:
+        """One event per piece of text; with n_probs, one per token (its text may be held
+        back while it could begin a stop string), carrying that token's probabilities."""
+        fresh = self._probs(choice, choice.logprobs_sent)
+        if not text and not fresh:
             return []
-        return [sse({"index": choice.index, "content": text, "tokens": [], "stop": False, "id_slot": -1,
-                     "tokens_predicted": choice.n_tokens, "tokens_evaluated": self._prompt_n(call, choice)})]
+        choice.logprobs_sent = len(choice.logprobs)
+        event = {"index": choice.index, "content": text, "tokens": [], "stop": False, "id_slot": -1,
+                 "tokens_predicted": choice.n_tokens, "tokens_evaluated": self._prompt_n(call, choice)}
+        return [sse({**event, "completion_probabilities": fresh} if fresh else event)]
+
+    @staticmethod
+    def _probs(choice: Choice, start: int = 0) -> list[dict]:
+        """llama-server's completion_probabilities of the choice's tokens from `start`."""
+        def item(token_id: int, entry) -> dict:
+            return {"id": token_id, "token": entry.token, "logprob": entry.logprob, "bytes": entry.bytes}
+        return [{**item(token, entry), "top_logprobs": [item(t, top) for t, top in zip(ids, entry.top_logprobs)]}
+                for entry, (token, ids) in zip(choice.logprobs[start:], choice.ranked_ids[start:])]
 
     def ending(self, call: Call, choice: Choice):
         return [sse(self._picked(self._final(call, choice, "")))]
@@ -180,7 +199,8 @@ class NativeShape:
     def _prompt_n(call: Call, choice: Choice) -> int:
         return len(call.prompts[choice.index // call.body.n])
 
-    def _final(self, call: Call, choice: Choice, content: str) -> dict:
+    def _final(self, call: Call, choice: Choice, content: str, whole: bool = False) -> dict:
+        """The final object; `whole` (not streamed): with every token's probabilities."""
         body, result = call.body, choice.result
         generated = list(result.generated) if result is not None else []
         stop_type = "word" if choice.text.stopped else "eos" if result is not None and result.stopped_on_eog \
@@ -196,7 +216,8 @@ class NativeShape:
             "prompt": self._detokenize(call.prompts[choice.index // body.n]),
             "has_new_line": "\n" in choice.text.sent, "truncated": False, "stop_type": stop_type,
             "stopping_word": getattr(choice.text, "stop_string", "") if choice.text.stopped else "",
-            "timings": telemetry.timings(call, choice)}
+            "timings": telemetry.timings(call, choice),
+            **({"completion_probabilities": self._probs(choice)} if body.n_probs and whole else {})}
 
 
 # ---- tokenize, detokenize ----------------------------------------------------------------
