@@ -190,38 +190,6 @@ async def count_tokens(request: Request):
     return {"input_tokens": len(tokens)}
 
 
-async def chat_input_tokens(request: Request):
-    """llama-server's POST /chat/completions/input_tokens: the prompt a chat request makes, counted."""
-    who = owner_of(request)
-    s = served(request)
-    async with s.preparing(who):
-        body = await read_body(request, ChatRequest, s)
-    use = await s.engine.use(who, s.engine.resolve(body.model), None)
-    try:
-        async with s.preparing(who):
-            tokens, _ = await prepared_chat(use.hosted, body, s.settings)
-    finally:
-        use.release()
-    return {"input_tokens": len(tokens)}
-
-
-async def apply_template(request: Request):
-    """llama-server's POST /apply-template: the prompt a chat request's messages make, as
-    text (nothing runs)."""
-    who = owner_of(request)
-    s = served(request)
-    async with s.preparing(who):
-        body = await read_body(request, ChatRequest, s)
-    use = await s.engine.use(who, s.engine.resolve(body.model), None)
-    try:
-        async with s.preparing(who):
-            structure = await asyncio.to_thread(structured.plan, body, use.hosted.knows_tools)
-            prompt = await asyncio.to_thread(chat_prompt, use.hosted, body, structure, s.settings.keep_billing_header)
-    finally:
-        use.release()
-    return {"prompt": prompt}
-
-
 async def run_chat(request: Request, who: int, body: ChatRequest, shape_for):
     """Run a chat request of `who`'s (whichever API it came in as) and answer in the shape
     shape_for(model id) makes."""
@@ -321,33 +289,50 @@ async def embeddings(request: Request):
     return embeddings_api.answer(name, vectors, sum(map(len, inputs)), body.encoding_format)
 
 
+async def chat_input_tokens(request: Request):
+    """llama-server's POST /chat/completions/input_tokens: the prompt a chat request makes, counted."""
+    def count(hosted: HostedModel, body: ChatRequest) -> dict:
+        keep = served(request).settings.keep_billing_header
+        return {"input_tokens": len(chat_tokens(hosted, body, structured.plan(body, hosted.knows_tools), keep))}
+    return await with_model(request, ChatRequest, count)
+
+
+async def apply_template(request: Request):
+    """llama-server's POST /apply-template: the prompt a chat request's messages make, as
+    text (nothing runs)."""
+    def render(hosted: HostedModel, body: ChatRequest) -> dict:
+        keep = served(request).settings.keep_billing_header
+        return {"prompt": chat_prompt(hosted, body, structured.plan(body, hosted.knows_tools), keep)}
+    return await with_model(request, ChatRequest, render)
+
+
 async def tokenize(request: Request):
     """llama-server's POST /tokenize: the content's token ids (with their pieces when asked)."""
-    who = owner_of(request)
-    s = served(request)
-    async with s.preparing(who):
-        body = await read_body(request, llama_native.TokenizeRequest, s)
-    use = await s.engine.use(who, s.engine.resolve(body.model), None)
-    try:
-        check_length(use.hosted, len(body.content), "content")
-        async with s.preparing(who):
-            return await asyncio.to_thread(llama_native.tokenize, use.hosted.model, body)
-    finally:
-        use.release()
+    def tokens(hosted: HostedModel, body) -> dict:
+        check_length(hosted, len(body.content), "content")
+        return llama_native.tokenize(hosted.model, body)
+    return await with_model(request, llama_native.TokenizeRequest, tokens)
 
 
 async def detokenize(request: Request):
     """llama-server's POST /detokenize: the tokens' text."""
+    def text(hosted: HostedModel, body) -> dict:
+        check_vocabulary(hosted.model.n_vocab, {"tokens": body.tokens})
+        return {"content": hosted.model.detokenize(body.tokens)}
+    return await with_model(request, llama_native.DetokenizeRequest, text)
+
+
+async def with_model(request: Request, schema, work):
+    """The routes that only read a model (count, render, tokenize): the body as `schema`,
+    its model held loaded, work(hosted, body) run on a worker thread under the key's gate."""
     who = owner_of(request)
     s = served(request)
     async with s.preparing(who):
-        body = await read_body(request, llama_native.DetokenizeRequest, s)
+        body = await read_body(request, schema, s)
     use = await s.engine.use(who, s.engine.resolve(body.model), None)
     try:
-        model = use.hosted.model
-        check_vocabulary(model.n_vocab, {"tokens": body.tokens})
         async with s.preparing(who):
-            return {"content": await asyncio.to_thread(model.detokenize, body.tokens)}
+            return await asyncio.to_thread(work, use.hosted, body)
     finally:
         use.release()
 
