@@ -32,9 +32,8 @@ from .schemas import MAX_LOGIT_BIAS, CompletionRequest
 IGNORED = {
     "cache_prompt": "prompts are always cached (the pool keeps finished requests' cells)",
     "id_slot": "there are no slots: any request runs beside the others",
-    "n_cmpl": "",
     "timings_per_token": "timings come with the final object",
-    "return_progress": "",
+    "return_progress": "the prompt is read in one go: there is no progress to report",
     "samplers": "the sampler chain is fixed: penalties, top_k, top_p, min_p, temperature",
 }
 
