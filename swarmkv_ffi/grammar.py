@@ -117,20 +117,12 @@ def lark(text: str) -> str:
     return llguidance.LLMatcher.grammar_from_lark(text)
 
 
-def check(model, grammar: str) -> None:
-    """Raise GrammarError now (the client's 400) rather than at the first token."""
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, vocabulary(model))
-    if failed:
-        raise GrammarError("the grammar cannot be used: " + "; ".join(messages))
-
-
 class Compiled:
     """A grammar compiled against one model's vocabulary, at its start: what every output
     of a request copies (Constraint), so a request compiles its grammar once. Raises
-    GrammarError (the client's 400) when it cannot be used."""
+    GrammarError (the client's 400) when it cannot be used, with llguidance's reason."""
 
     def __init__(self, model, grammar: str):
-        check(model, grammar)
         self.text, self.model_path = grammar, str(model.path)
         self.matcher = _matcher(model, grammar)
 

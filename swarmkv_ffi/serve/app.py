@@ -46,13 +46,19 @@ def create_app(engine: ServeEngine, keys: Keys, settings: Settings) -> FastAPI:
         app.add_api_route(path, routes.native_completion, methods=["POST"])
     app.add_api_route("/tokenize", routes.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", routes.detokenize, methods=["POST"])
-    if settings.cors_origins:
-        app.add_middleware(CORSMiddleware, **cors(settings.cors_origins))
+    allow_origins(app, settings.cors_origins)
     return app
 
 
 #: What `--cors-origins localhost` allows: a page served from this machine, on any port.
 LOCALHOST = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
+
+
+def allow_origins(app: FastAPI, origins: str | None) -> None:
+    """CORS for the pages --cors-origins names (none: no CORS at all), on this app or the
+    Ray ingress."""
+    if origins:
+        app.add_middleware(CORSMiddleware, **cors(origins))
 
 
 def cors(origins: str) -> dict:

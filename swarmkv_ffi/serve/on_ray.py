@@ -213,11 +213,8 @@ def ingress(settings: Settings, keys: dict[str, str]):
 
     from .keys import Gates, Keys
     api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-    if settings.cors_origins:
-        from starlette.middleware.cors import CORSMiddleware
-
-        from .app import cors
-        api.add_middleware(CORSMiddleware, **cors(settings.cors_origins))
+    from .app import allow_origins
+    allow_origins(api, settings.cors_origins)
 
     @serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
     @serve.ingress(api)

@@ -176,18 +176,11 @@ async def messages(request: Request):
 
 async def count_tokens(request: Request):
     """The prompt a Messages request would make, counted: its input_tokens, cached or not."""
-    who = owner_of(request)
     s = served(request)
-    async with s.preparing(who):
-        body = await read_body(request, anthropic.CountTokensRequest, s)
-    chat_body = anthropic.to_chat(body, s.engine.resolve(body.model))
-    use = await s.engine.use(who, chat_body.model, None)
-    try:
-        async with s.preparing(who):
-            tokens, _ = await prepared_chat(use.hosted, chat_body, s.settings)
-    finally:
-        use.release()
-    return {"input_tokens": len(tokens)}
+
+    def count(hosted: HostedModel, body) -> dict:
+        return {"input_tokens": counted(hosted, anthropic.to_chat(body, s.engine.resolve(body.model)), s.settings)}
+    return await with_model(request, anthropic.CountTokensRequest, count)
 
 
 async def run_chat(request: Request, who: int, body: ChatRequest, shape_for):
@@ -292,8 +285,7 @@ async def embeddings(request: Request):
 async def chat_input_tokens(request: Request):
     """llama-server's POST /chat/completions/input_tokens: the prompt a chat request makes, counted."""
     def count(hosted: HostedModel, body: ChatRequest) -> dict:
-        keep = served(request).settings.keep_billing_header
-        return {"input_tokens": len(chat_tokens(hosted, body, structured.plan(body, hosted.knows_tools), keep))}
+        return {"input_tokens": counted(hosted, body, served(request).settings)}
     return await with_model(request, ChatRequest, count)
 
 
@@ -320,6 +312,12 @@ async def detokenize(request: Request):
         check_vocabulary(hosted.model.n_vocab, {"tokens": body.tokens})
         return {"content": hosted.model.detokenize(body.tokens)}
     return await with_model(request, llama_native.DetokenizeRequest, text)
+
+
+def counted(hosted: HostedModel, body: ChatRequest, settings: Settings) -> int:
+    """The tokens of the prompt a chat request makes (the tools told, as it would run)."""
+    structure = structured.plan(body, hosted.knows_tools)
+    return len(chat_tokens(hosted, body, structure, settings.keep_billing_header))
 
 
 async def with_model(request: Request, schema, work):
