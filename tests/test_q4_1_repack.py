@@ -1,0 +1,116 @@
+"""Our Q4_1 GEMM/GEMV (kernels/ggml/0005) against ggml's own Q4_1 kernel and exact sums.
+
+ggml multiplies Q4_1 weights one vec_dot_q4_1_q8_1 per row; the patch repacks eight weight
+rows per block at load (llama.cpp's CPU_REPACK buffer) and runs a gemm over groups of four
+batch rows, a gemv over the rest. `Model(..., repack=False)` keeps ggml's kernel.
+
+Logits of a deep model are no place to compare two kernels: thirty layers turn a rounding
+difference into any other. So the comparison runs on a model that is one matmul: its layers
+are zeros, so its logits are the Q4_1 output matrix times the normalised embedding row, and
+NumPy computes the same product exactly from the dequantized weights. Both kernels quantize
+the activations to 8 bits the same way, which dominates their error; ours must be as close
+to the exact product as ggml's and within rounding of ggml's answer. Exact mode runs the gemv
+for every row and stays bit-identical whatever the batch (tests/test_exact.py, default model).
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from swarmkv_ffi import Batch, Context, ContextParams, Model, catalog, library, tiny_gguf
+
+pytestmark = pytest.mark.skipif("avx2" not in (library.manifest().get("cpu_features") or []),
+                                reason="the repacked Q4_1 kernel is built for x86 with AVX2 only")
+
+BATCHES = [1, 2, 3, 4, 5, 7, 8, 9, 16, 33]   # gemv only, gemm + gemv remainders, several gemm groups
+# Ours against ggml's answer: they differ by rounding only (ggml rounds the activation sum to
+# fp16, we keep fp32); a wrong interleave or a lost min term is off by order 1.
+NEAR_GGML = 2e-5
+# Ours against the exact product, relative to ggml's own distance from it.
+NO_WORSE = 1.25
+
+
+def buffer_mib(path, repack: bool, caplog) -> float:
+    """Load `path` and return what libllama reports for its CPU_REPACK weights buffer
+    (0.0 when it makes none)."""
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="swarmkv_ffi.llama"):
+        Model(path, repack=repack).close()
+    return sum(float(r.getMessage().split("=")[1].split()[0]) for r in caplog.records
+               if "CPU_REPACK model buffer size" in r.getMessage())
+
+
+def all_logits(model: Model, tokens: list[int]) -> np.ndarray:
+    """The logits of every position of `tokens`, decoded as one batch."""
+    with Context(model, ContextParams(n_ctx=256, n_batch=64, n_ubatch=64)) as ctx:
+        batch = Batch(len(tokens))
+        for pos, token in enumerate(tokens):
+            batch.add(token, pos, logits=True)
+        ctx.decode(batch)
+        return np.stack([ctx.logits(i).copy() for i in range(len(tokens))])
+
+
+def nmse(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per row: sum((a - b)^2) / sum(b^2), as ggml's test-backend-ops measures it."""
+    return ((a - b) ** 2).sum(axis=-1) / (b ** 2).sum(axis=-1)
+
+
+def one_matmul_model(path: str, n_embd: int, n_vocab: int):
+    """A model whose logits are one Q4_1 matmul: output (n_vocab x n_embd, Q4_1) times
+    rmsnorm(embedding row) (f32), every layer zero. Returns the path and an exact(tokens)
+    that computes those logits in float64 from the dequantized weights."""
+    import gguf
+    kept = {}
+
+    def weight(name, data):
+        if name.startswith("blk."):
+            return np.zeros_like(data), None
+        qtype = gguf.GGMLQuantizationType.Q4_1 if name == "output.weight" else gguf.GGMLQuantizationType.F32
+        stored = gguf.quants.quantize(data * (20 if qtype == gguf.GGMLQuantizationType.F32 else 1), qtype)
+        kept[name] = gguf.quants.dequantize(stored, qtype).astype(np.float64)
+        return stored, qtype
+
+    shape = dict(n_embd=n_embd, n_head=n_embd // 32, n_head_kv=1, n_ff=64, n_layer=1, n_ctx=256, n_vocab=n_vocab)
+    tiny_gguf.write_llama(path, "one Q4_1 matmul", shape, weight)
+
+    def exact(tokens):
+        h = kept["token_embd.weight"][tokens]
+        return (h / np.sqrt((h * h).mean(-1, keepdims=True) + 1e-5)) @ kept["output.weight"].T
+    return path, exact
+
+
+@pytest.fixture(scope="module", params=[(96, 328), (576, 1024), (2048, 264)],
+                ids=["3-blocks", "smollm2-width", "64-blocks"])
+def matmul(request, tmp_path_factory):
+    n_embd, n_vocab = request.param
+    return one_matmul_model(str(tmp_path_factory.mktemp("q4_1") / "one.gguf"), n_embd, n_vocab)
+
+
+def test_the_default_model_takes_the_repacked_kernel(caplog):
+    path = catalog.resolve("smollm2-135m")
+    assert buffer_mib(path, True, caplog) > 50, "SmolLM2's Q4_1 matrices did not go to the CPU_REPACK buffer"
+    assert buffer_mib(path, False, caplog) == 0
+
+
+def test_rows_not_a_multiple_of_8_keep_ggml_kernel(tmp_path, caplog):
+    repacked, _ = one_matmul_model(str(tmp_path / "328.gguf"), 96, 328)
+    odd, exact = one_matmul_model(str(tmp_path / "325.gguf"), 96, 325)
+    assert buffer_mib(repacked, True, caplog) > 0
+    assert buffer_mib(odd, True, caplog) == 0      # its only Q4_1 matrix has 325 rows
+    with Model(odd) as model:
+        assert nmse(all_logits(model, [5, 6, 7, 8, 9]), exact([5, 6, 7, 8, 9])).max() < 1e-3
+
+
+def test_ours_is_as_exact_as_ggml_at_every_batch_size(matmul):
+    path, exact = matmul
+    rng = np.random.default_rng(7)
+    with Model(path, repack=True) as ours, Model(path, repack=False) as ggml:
+        for n in BATCHES:
+            tokens = [int(t) for t in rng.integers(3, ours.n_vocab, size=n)]
+            a, b, want = all_logits(ours, tokens), all_logits(ggml, tokens), exact(tokens)
+            assert nmse(a, b).max() < NEAR_GGML, f"batch of {n}: NMSE {nmse(a, b).max():.2e} from ggml's kernel"
+            assert nmse(a, want).max() <= NO_WORSE * nmse(b, want).max(), (
+                f"batch of {n}: ours {nmse(a, want).max():.2e} from the exact product, ggml's {nmse(b, want).max():.2e}")
+
