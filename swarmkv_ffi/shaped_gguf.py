@@ -49,11 +49,14 @@ def write_f16(path: Path, shape: Shape, seed: int = 0) -> Path:
     return path
 
 
-def quantize(src: Path, out: Path, qtype: str, quantizer: Path, threads: int) -> Path:
+def quantize(src: Path, out: Path, qtype: str, quantizer: Path, threads: int, requantize: bool = False) -> Path:
+    """`src` to `out` in `qtype` with llama.cpp's llama-quantize. requantize: `src` is
+    itself quantized (llama-quantize refuses that unless told; the copy is for speed, not
+    quality, measurements)."""
     if not quantizer.exists():
         raise SystemExit(f"{quantizer} not found: build llama.cpp's tools with ./build_llama.sh --tools")
-    proc = subprocess.run([str(quantizer), str(src), str(out), qtype, str(threads)],
-                          capture_output=True, text=True)
+    proc = subprocess.run([str(quantizer), *(["--allow-requantize"] if requantize else []), str(src), str(out),
+                           qtype, str(threads)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"llama-quantize failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return out

@@ -135,6 +135,8 @@ def test_kernels_bench_checks_its_arguments_and_names_the_missing_tools(tmp_path
     cmd = [sys.executable, "-m", "swarmkv_ffi.cli", "bench", "kernels"]
     bad = subprocess.run(cmd + ["--npp", "128,x"], capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "comma-separated integers" in bad.stderr
+    bad = subprocess.run(cmd + ["--types", ","], capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and "llama-quantize type names" in bad.stderr
     proc = subprocess.run(cmd + ["--repeats", "1"], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0
     assert "tools-stock/llama-batched-bench not found" in proc.stderr and "./build_llama.sh --tools" in proc.stderr

@@ -19,11 +19,14 @@ next), and reports the medians:
 
 -pps prefills the prompt once and shares it among the N sequences in one unified KV
 cache: the fan-out's workload (S_TG is decode tokens/s over all N sequences, S_PP the
-prefill). "vs best" is the default over the faster of ggml and ours (the choice the
+prefill). --types also runs the model requantized to other weight types (made once by the
+stock llama-quantize, kept in ~/.cache/swarmkv-ffi/requantized/): each weight type has its
+own matmul kernels, ours or ggml's. "vs best" is the default over the faster of ggml and ours (the choice the
 table had to make), "vs stock" the default over stock llama.cpp. --op also times the
 flash-attention op alone (swarmkv_ffi.fattn) for the same shapes.
 
     swarmkv bench kernels --npp 3500 --npl 1,4,16 --repeats 5 --out bench/results/latest/kernels.json
+    swarmkv bench kernels --types file,q4_0,q8_0,q4_k_m --npp 256 --npl 1,16,64,128 --variants stock,default
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from pathlib import Path
 
 from .. import calibration, cpu, library
 from ..catalog import DEFAULT_MODEL, resolve
+from ..shaped_gguf import quantize
 from .measure import report_json, settings_of
 from .tools import run_json_lines
 
@@ -61,6 +65,33 @@ def names(text: str) -> list[str]:
     if unknown or not chosen:
         raise argparse.ArgumentTypeError(f"variants are {', '.join(VARIANTS)}; got {text!r}")
     return [v for v in VARIANTS if v in chosen]
+
+
+def types(text: str) -> list[str]:
+    chosen = [x.strip().upper() for x in text.split(",") if x.strip()]
+    if not chosen:
+        raise argparse.ArgumentTypeError("expected llama-quantize type names (e.g. file,q4_0,q8_0,q4_k_m)")
+    return ["file" if t == "FILE" else t for t in chosen]
+
+
+def weight_files(model: Path, kinds: list[str], threads: int) -> dict[str, Path]:
+    """{weight type: GGUF} for each of `kinds`: "file" is the model as it is, any other
+    name a copy requantized by the stock llama-quantize, made once and kept."""
+    folder = Path.home() / ".cache" / "swarmkv-ffi" / "requantized"
+    files = {}
+    for kind in kinds:
+        if kind == "file":
+            files[kind] = model
+            continue
+        out = folder / f"{model.stem}.{kind}.gguf"
+        if not out.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            print(f"requantizing {model.name} to {kind} (once; kept in {folder})", file=sys.stderr, flush=True)
+            part = out.with_suffix(".part")
+            quantize(model, part, kind, library.tool_path("llama-quantize"), threads, requantize=True)
+            part.rename(out)
+        files[kind] = out
+    return files
 
 
 def calibrated_rule() -> dict | None:
@@ -98,13 +129,13 @@ def batched_bench(variant: str, model: Path, args, rule: list[int] | None) -> li
                            "--output-format", "jsonl"], env=variant_env(variant, rule))
 
 
-def table(runs: dict[str, list[list[dict]]], args) -> list[dict]:
-    """One row per (npp, npl): medians of S_TG and S_PP per variant; the default (or
-    the built-in table) over the faster of ggml and ours, and over stock."""
+def table(runs: dict[str, list[list[dict]]], args, kind: str) -> list[dict]:
+    """One row per (npp, npl) of weight type `kind`: medians of S_TG and S_PP per variant;
+    the default (or the built-in table) over the faster of ggml and ours, and over stock."""
     rows = []
     for npp in args.npp:
         for npl in args.npl:
-            row = {"npp": npp, "npl": npl}
+            row = {"type": kind, "npp": npp, "npl": npl}
             for variant in args.variants:
                 hits = [[r for r in run if r["pp"] == npp and r["pl"] == npl][0] for run in runs[variant]]
                 row[f"{variant}_tg_tps"] = statistics.median(r["speed_tg"] for r in hits)
@@ -157,10 +188,10 @@ def print_table(rows: list[dict], variants: list[str]) -> None:
     ratios = [k for k in ("vs_best", "vs_stock") if chosen and any(f"{chosen}_tg_{k}" in r for r in rows)]
     for phase, title in (("tg", "S_TG (decode t/s)"), ("pp", "S_PP (prefill t/s)")):
         print(f"{title}:", file=sys.stderr)
-        print(f"{'npp':>6} {'N':>3} | " + " ".join(f"{v:>10}" for v in variants)
+        print(f"{'type':>8} {'npp':>6} {'N':>3} | " + " ".join(f"{v:>10}" for v in variants)
               + "".join(f" | {chosen + ' ' + k.replace('_', ' '):>16}" for k in ratios), file=sys.stderr)
         for r in rows:
-            print(f"{r['npp']:>6} {r['npl']:>3} | " + " ".join(f"{r[f'{v}_{phase}_tps']:>10.1f}" for v in variants)
+            print(f"{r['type']:>8} {r['npp']:>6} {r['npl']:>3} | " + " ".join(f"{r[f'{v}_{phase}_tps']:>10.1f}" for v in variants)
                   + "".join(f" | {r[f'{chosen}_{phase}_{k}']:>15.3f}x" for k in ratios), file=sys.stderr)
 
 
@@ -176,6 +207,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs of each variant; medians reported (default 3)")
     ap.add_argument("--variants", type=names, default=list(DEFAULT_VARIANTS),
                     help=f"which of {','.join(VARIANTS)} to run (default: {','.join(DEFAULT_VARIANTS)})")
+    ap.add_argument("--types", type=types, default=["file"],
+                    help="weight types to run: 'file' (the model as it is) and llama-quantize names such as "
+                         "q4_0,q8_0,q4_k_m,q6_k (default: file)")
     ap.add_argument("--op", action="store_true", help="also time the flash-attention op alone")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     args = ap.parse_args(argv)
@@ -184,21 +218,23 @@ def main(argv=None) -> int:
     model = resolve(args.model)
     for variant in args.variants:   # every tool present before the first long run
         tool(variant)
+    files = weight_files(model, args.types, args.threads)
     entry = calibrated_rule()
     rule = entry["rule"] if entry else None
-    runs: dict[str, list[list[dict]]] = {v: [] for v in args.variants}
+    runs: dict[str, dict[str, list[list[dict]]]] = {k: {v: [] for v in args.variants} for k in files}
     for r in range(args.repeats):
         shift = r % len(args.variants)     # each variant in turn runs first, so no one always follows another
-        for variant in args.variants[shift:] + args.variants[:shift]:
-            print(f"repeat {r + 1}/{args.repeats}: {variant}", file=sys.stderr, flush=True)
-            runs[variant].append(batched_bench(variant, model, args, rule))
-    rows = table(runs, args)
+        for kind, path in files.items():
+            for variant in args.variants[shift:] + args.variants[:shift]:
+                print(f"repeat {r + 1}/{args.repeats}: {kind} {variant}", file=sys.stderr, flush=True)
+                runs[kind][variant].append(batched_bench(variant, path, args, rule))
+    rows = [row for kind in files for row in table(runs[kind], args, kind)]
     print_table(rows, args.variants)
     settings = {**settings_of(args), "llama_batched_bench": {
         "kv_type": args.kv_type, "flash_attn": "on", "n_batch": 2048, "n_ubatch": 512, "threads": args.threads,
         "pps": True, "kv_unified": True}}
     report = {
-        "benchmark": "kernels", "model": model.name, "default_table": "calibrated" if entry else "built-in",
+        "benchmark": "kernels", "model": model.name, "files": {k: p.name for k, p in files.items()}, "default_table": "calibrated" if entry else "built-in",
         "calibration": None if entry is None else {k: entry.get(k) for k in ("rule", "cpu", "threads", "calibrated_at",
                                                                               "op_rule", "check")},
         "rows": rows,

@@ -25,12 +25,12 @@ booking and the server's RSS above its start, sampled every 0.2 s, against the b
 """
 from __future__ import annotations
 
-import subprocess
 import tempfile
 from pathlib import Path
 
 from .. import catalog, library
 from ..procmem import rss_of
+from ..shaped_gguf import quantize
 from .measure import Peaks, at_once
 from .peer import HttpServer, log
 from .servers import ask, by_label, openai_client, ours
@@ -48,11 +48,7 @@ def folder_of_models(folder: Path, threads: int) -> dict[str, Path]:
         files.append(folder / path.name)
     smol = catalog.resolve(PACKAGED[0])
     third = folder / smol.name.replace("Q4_1", "Q8_0")
-    done = subprocess.run([str(library.tool_path("llama-quantize")), "--allow-requantize", str(smol), str(third),
-                           "Q8_0", str(threads)], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"llama-quantize failed ({done.returncode}): {done.stderr[-2000:]}")
-    files.append(third)
+    files.append(quantize(smol, third, "Q8_0", library.tool_path("llama-quantize"), threads, requantize=True))
     return {f.name[:-len(".gguf")]: f for f in files}
 
 
