@@ -56,7 +56,8 @@ def uvicorn_config(app, host: str, port: int, settings: Settings, verbose: int):
     return uvicorn.Config(app, host=host, port=port, log_level="info" if verbose > 1 else "warning",
                           access_log=verbose > 1, limit_concurrency=None,
                           http=guard.protocol(settings.read_timeout, settings.idle_connections_per_address,
-                                              send_timeout=settings.send_timeout),
+                                              send_timeout=settings.send_timeout,
+                                              max_body_bytes=settings.max_body_bytes),
                           timeout_keep_alive=5, timeout_graceful_shutdown=GRACE_S)
 
 
