@@ -19,11 +19,12 @@ next), and reports the medians:
 
 -pps prefills the prompt once and shares it among the N sequences in one unified KV
 cache: the fan-out's workload (S_TG is decode tokens/s over all N sequences, S_PP the
-prefill). --types also runs the model requantized to other weight types (made once by the
-stock llama-quantize, kept in ~/.cache/swarmkv-ffi/requantized/): each weight type has its
-own matmul kernels, ours or ggml's. "vs best" is the default over the faster of ggml and ours (the choice the
+prefill). "vs best" is the default over the faster of ggml and ours (the choice the
 table had to make), "vs stock" the default over stock llama.cpp. --op also times the
-flash-attention op alone (swarmkv_ffi.fattn) for the same shapes.
+flash-attention op alone (swarmkv_ffi.fattn) for the same shapes. --types also runs the
+model requantized to other weight types (made once by the stock llama-quantize, kept in
+~/.cache/swarmkv-ffi/requantized/): each weight type has its own matmul kernels, ours
+(Q4_1 on x86, docs/matmul.md) or ggml's.
 
     swarmkv bench kernels --npp 3500 --npl 1,4,16 --repeats 5 --out bench/results/latest/kernels.json
     swarmkv bench kernels --types file,q4_0,q8_0,q4_k_m --npp 256 --npl 1,16,64,128 --variants stock,default
