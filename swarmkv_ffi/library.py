@@ -76,6 +76,15 @@ def find_library() -> Path:
         f"repository), or set {ENV_LIBRARY} to its path. Looked in:\n  {tried}")
 
 
+def cache_dir() -> Path:
+    """build_llama.sh's cache folder (pinned sources, builds, tools' inputs):
+    $SWARMKV_CACHE, else $XDG_CACHE_HOME/swarmkv-ffi, else ~/.cache/swarmkv-ffi."""
+    env = os.environ.get("SWARMKV_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "swarmkv-ffi"
+
+
 def install_root(lib_path: Path) -> Path:
     """build_llama.sh's install folder: lib/ and include/ and manifest.json side by side."""
     return lib_path.resolve().parent.parent

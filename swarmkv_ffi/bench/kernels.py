@@ -22,8 +22,8 @@ cache: the fan-out's workload (S_TG is decode tokens/s over all N sequences, S_P
 prefill). "vs best" is the default over the faster of ggml and ours (the choice the
 table had to make), "vs stock" the default over stock llama.cpp. --op also times the
 flash-attention op alone (swarmkv_ffi.fattn) for the same shapes. --types also runs the
-model requantized to other weight types (made once by the stock llama-quantize, kept in
-~/.cache/swarmkv-ffi/requantized/): each weight type has its own matmul kernels, ours
+model requantized to other weight types (made once by the stock llama-quantize, kept under
+build_llama.sh's cache folder in requantized/): each weight type has its own matmul kernels, ours
 (Q4_1 on x86, docs/matmul.md) or ggml's.
 
     swarmkv bench kernels --npp 3500 --npl 1,4,16 --repeats 5 --out bench/results/latest/kernels.json
@@ -78,7 +78,7 @@ def types(text: str) -> list[str]:
 def weight_files(model: Path, kinds: list[str], threads: int) -> dict[str, Path]:
     """{weight type: GGUF} for each of `kinds`: "file" is the model as it is, any other
     name a copy requantized by the stock llama-quantize, made once and kept."""
-    folder = Path.home() / ".cache" / "swarmkv-ffi" / "requantized"
+    folder = library.cache_dir() / "requantized"
     files = {}
     for kind in kinds:
         if kind == "file":
@@ -235,7 +235,8 @@ def main(argv=None) -> int:
         "kv_type": args.kv_type, "flash_attn": "on", "n_batch": 2048, "n_ubatch": 512, "threads": args.threads,
         "pps": True, "kv_unified": True}}
     report = {
-        "benchmark": "kernels", "model": model.name, "files": {k: p.name for k, p in files.items()}, "default_table": "calibrated" if entry else "built-in",
+        "benchmark": "kernels", "model": model.name, "files": {k: p.name for k, p in files.items()},
+        "default_table": "calibrated" if entry else "built-in",
         "calibration": None if entry is None else {k: entry.get(k) for k in ("rule", "cpu", "threads", "calibrated_at",
                                                                               "op_rule", "check")},
         "rows": rows,

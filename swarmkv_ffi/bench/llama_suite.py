@@ -46,7 +46,7 @@ SWITCHES = {"--offline", "--cont-batching", "--embedding", "--reranking", "--met
 
 def suite_dir() -> Path:
     """llama.cpp's server tests in the source `./build_llama.sh` unpacked."""
-    cache = Path(os.environ.get("SWARMKV_CACHE", Path.home() / ".cache" / "swarmkv-ffi"))
+    cache = library.cache_dir()
     version = (library.read_manifest() or {}).get("source", "").rpartition("==")[2]
     tests = cache / f"src-{version}" / "tools" / "server" / "tests"
     if not version or not tests.is_dir():
