@@ -36,9 +36,9 @@ high and low water marks, which is all this relies on.
 """
 from __future__ import annotations
 
-import resource
-
 import json
+import resource
+from http import HTTPStatus
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
@@ -46,23 +46,24 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 HEADER_BYTES = 64 << 10
 
 
+def closing_answer(status: int, message: str, code: str) -> bytes:
+    """A whole HTTP response with an OpenAI-shaped error, for a connection the protocol
+    answers itself and then closes (no request cycle exists to answer through)."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+            f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
+
+
 def too_large() -> bytes:
     """The 431 sent before closing a connection whose headers went past HEADER_BYTES."""
-    body = json.dumps({"error": {"message": f"the request line and headers are over {HEADER_BYTES} bytes",
-                                 "type": "invalid_request_error", "param": None,
-                                 "code": "request_header_fields_too_large"}}).encode()
-    return (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-            b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return closing_answer(431, f"the request line and headers are over {HEADER_BYTES} bytes",
+                          "request_header_fields_too_large")
 
 
-def body_too_large(declared: int, max_body_bytes: int) -> bytes:
-    """The 413 sent, before closing, for a declared body over `max_body_bytes`: the
-    route's wording (routes.capped_body) without the route."""
-    body = json.dumps({"error": {"message": f"the body is {declared} bytes; the server takes at most "
-                                            f"{max_body_bytes} (--max-body-bytes)",
-                                 "type": "invalid_request_error", "param": None, "code": "body_too_large"}}).encode()
-    return (b"HTTP/1.1 413 Request Entity Too Large\r\ncontent-type: application/json\r\n"
-            b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+def body_over_cap(declared: int, max_body_bytes: int) -> str:
+    """What a 413 for a declared body over the cap says, from the protocol or the route."""
+    return f"the body is {declared} bytes; the server takes at most {max_body_bytes} (--max-body-bytes)"
 
 
 def protocol(header_timeout: float, idle_per_address: int, base: type = AutoHTTPProtocol,
@@ -93,7 +94,8 @@ def protocol(header_timeout: float, idle_per_address: int, base: type = AutoHTTP
             declared = next((value for name, value in getattr(self, "headers", ()) if name == b"content-length"), b"")
             if max_body_bytes is not None and declared.isdigit() and int(declared) > max_body_bytes:
                 self._disarm()
-                self.transport.write(body_too_large(int(declared), max_body_bytes))
+                self.transport.write(closing_answer(413, body_over_cap(int(declared), max_body_bytes),
+                                                    "body_too_large"))
                 self.transport.close()
                 return
             super().on_headers_complete()

@@ -23,6 +23,7 @@ from .calls import Call
 from .engine import ServeEngine
 from .hosted import HostedModel
 from .errors import Refused, error_response, refused, validated
+from .guard import body_over_cap
 from .keys import OPEN, Gates, Keys, bearer, presented
 from .metrics import CONTENT_TYPE as METRICS_TYPE
 from .metrics import render as metrics_text
@@ -348,8 +349,7 @@ async def capped_body(request: Request, max_body_bytes: int) -> bytes:
     Content-Length, else the bytes read so far): a huge body is never held whole."""
     size = declared_length(request)
     if size is not None and size > max_body_bytes:
-        raise Refused(413, f"the body is {size} bytes; the server takes at most {max_body_bytes} "
-                      "(--max-body-bytes)", "body_too_large")
+        raise Refused(413, body_over_cap(size, max_body_bytes), "body_too_large")
     raw = bytearray()
     async for chunk in request.stream():
         raw += chunk
