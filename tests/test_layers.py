@@ -31,7 +31,9 @@ LAYERS: list[list[str]] = [
     ["conductor.policy", "conductor.common_prompts", "conductor.modelfile", "conductor.registry", "conductor.estimate",
      "conductor.sandbox"],                                                # the conductor's parts
     ["conductor.pool"],                                                 # a model's shared context
-    ["conductor.scheduler"],                                            # the batched steps
+    ["conductor.runs"],                                                 # a DECODE's record, a pool's tally
+    ["conductor.seating", "conductor.step"],                            # choose and seat; plan, run, apply a step
+    ["conductor.scheduler"],                                            # the thread of the batched steps
     ["conductor.agents"],                                               # the Conductor
     ["conductor.requests"],                                             # request pools
     ["conductor"],                                                      # the engine's door

@@ -13,6 +13,9 @@ Lowest first (tests/test_layers.py holds the same order):
     sandbox.py         an untrusted GGUF loads in a child process first
   the engine
     pool.py            one model's shared context, a KV sequence per seated agent; Kind, PoolKey
+    runs.py            a DECODE's record (Run) and a pool's step tally
+    seating.py         which pool is served, which runs are seated (room, preemption)
+    step.py            one step: plan the batch, run it, apply the tokens, sample
     scheduler.py       the one thread that runs every llama_decode, batched, fair by owner
     agents.py          the Conductor: registration, DECODE, RESET, swap, the context check
   its door
@@ -24,7 +27,7 @@ the shares from admission/quotas.py) in Conductor.register; fairness (policy.py)
 scheduler; sharing of cells (pool.py: documents, kept cells matched per owner; the tiers below in
 ../kvcache/) and
 eviction (pool.py: least recently used kept cells first; idle seats paused by
-scheduler._make_room); the context length (agents.check_context) for both doors.
+seating._make_room); the context length (agents.check_context) for both doors.
 """
 from ..admission.ledger import Ledger, LedgerDenied
 from ..admission.memory import DeviceMemory

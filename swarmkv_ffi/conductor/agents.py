@@ -39,7 +39,8 @@ from .modelfile import LoadableCopy, ModelFile, ModelSource, check_unchanged, fd
 from .policy import Policy
 from .pool import Fixed, Kind, Pool, PoolKey, Seat, key_for, pool_key
 from .registry import Loaded, ModelRegistry
-from .scheduler import Run, Scheduler, Stopping
+from .runs import Run, Stopping
+from .scheduler import Scheduler
 
 log = logging.getLogger("lmxd")
 

@@ -30,7 +30,7 @@ from ..kvcache.tier import PrefixTier
 from ..grammar import Compiled
 from .modelfile import LoadableCopy
 from .pool import MAX_SEQS, Fixed, Kind, NoRoom
-from .scheduler import Run, Stopping
+from .runs import Run, Stopping
 
 #: What a caller of this door needs, all from here: the pool, its handles, the most
 #: sequences a pool takes, and the four ways a request is refused (ContextFull is a

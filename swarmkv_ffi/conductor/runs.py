@@ -1,0 +1,80 @@
+"""What the scheduler holds of a DECODE (`Run`) and what it counts of a pool's steps
+(`StepTally`): plain records, apart from the thread that acts on them (scheduler.py)."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..grammar import Compiled, Constraint
+from ..sampler import Sampler
+from .pool import PoolKey, pool_key
+
+
+class Stopping(Exception):
+    """The daemon is stopping: this DECODE was not run."""
+
+
+@dataclass
+class Run:
+    """One DECODE, from its arrival to its reply."""
+    agent: object
+    owner: int
+    prompt: str
+    max_tokens: int
+    should_stop: Callable[[], bool]
+    arrival: int = 0
+    began: bool = False
+    feed: list[int] = field(default_factory=list)   # tokens for the next steps, not in history yet
+    prompt_tokens: int = 0
+    n_history: int = 0            # the history's length before the DECODE (for a roll-back)
+    pending: int | None = None    # the agent's pending token before the DECODE
+    generated: list[int] = field(default_factory=list)
+    stopped_on_eog: bool = False
+    cancelled: bool = False
+    error: BaseException | None = None
+    evicted: object | None = None     # the agent paused to make room for this one
+    restored: bool = False
+    forked: bool = False
+    tier: str | None = None       # where a request's cached opening came from (pool.Entry.tier)
+    stepped: bool = False         # it has been in a step (its prompt is no longer whole)
+    slices: int = 0
+    slice_tokens: int = 0
+    batch_max: int = 0
+    queued_s: float = 0.0
+    swap_s: float = 0.0
+    since: float = field(default_factory=time.perf_counter)   # when it last began waiting
+    sampler: Sampler | None = None
+    sampling: dict = field(default_factory=dict)   # Sampler settings (temp, top_p, seed)
+    top_logprobs: int | None = None   # report each token's logprob and this many alternatives
+    grammar: "str | Compiled | None" = None   # the output must follow it (grammar.py); constraint: its state
+    constraint: Constraint | None = None
+    completed: bool = False       # the grammar allowed nothing more: the output is whole
+    on_token: Callable | None = None  # (token, logprobs or None) after each one; False ends the run
+    cached: int = 0               # prompt tokens whose cells were forked, not decoded (a request)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def pool_key(self) -> PoolKey:
+        return pool_key(self.agent)
+
+
+@dataclass
+class StepTally:
+    """A pool's steps since it opened, for operators (serve's /metrics): how many, the
+    rows they carried, their seconds, and how many steps carried each number of decode rows."""
+    steps: int = 0
+    decode_rows: int = 0
+    prompt_rows: int = 0
+    seconds: float = 0.0
+    by_decode_rows: dict[int, int] = field(default_factory=dict)
+    preemptions: int = 0         # requests that gave their cells up for others to grow
+    swapped: int = 0             # of those, how many kept their KV in host RAM (not re-read)
+
+    def step(self, decode_rows: int, prompt_rows: int, seconds: float) -> None:
+        self.steps += 1
+        self.decode_rows += decode_rows
+        self.prompt_rows += prompt_rows
+        self.seconds += seconds
+        self.by_decode_rows[decode_rows] = self.by_decode_rows.get(decode_rows, 0) + 1
