@@ -166,7 +166,7 @@ def test_a_leaver_pauses_nobody_the_pool_books_its_spare_cells_instead(conductor
     B's agent sits in it; A's agent leaves: the pool is not shrunk under B (which would
     pause B to host RAM for A's departure), its spare cells are booked in the ledger as
     the pool's own, and that booking goes with its context once B has left too."""
-    from swarmkv_ffi.conductor.agents import excess_key_of
+    from swarmkv_ffi.conductor.booking import excess_key_of
     c = conductor
     c.register("m", "smollm2-135m", n_ctx=4096, owner=A)
     c.decode("m", 1, "hi", owner=A)

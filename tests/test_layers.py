@@ -31,9 +31,11 @@ LAYERS: list[list[str]] = [
     ["conductor.policy", "conductor.common_prompts", "conductor.modelfile", "conductor.registry", "conductor.estimate",
      "conductor.sandbox"],                                                # the conductor's parts
     ["conductor.pool"],                                                 # a model's shared context
-    ["conductor.runs"],                                                 # a DECODE's record, a pool's tally
+    ["conductor.runs", "conductor.agent"],                              # a DECODE's record; an agent's
     ["conductor.seating", "conductor.step"],                            # choose and seat; plan, run, apply a step
     ["conductor.scheduler"],                                            # the thread of the batched steps
+    ["conductor.booking", "conductor.swap"],                            # the Conductor's bookings, host-RAM KV
+    ["conductor.own"],                                                  # ... users' own contexts
     ["conductor.agents"],                                               # the Conductor
     ["conductor.requests"],                                             # request pools
     ["conductor"],                                                      # the engine's door

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from swarmkv_ffi.conductor.agents import Agent
+from swarmkv_ffi.conductor.agent import Agent
 from swarmkv_ffi.conductor.pool import Fixed, Kind, Pool, PoolKey
 
 pytestmark = pytest.mark.unit

@@ -13,21 +13,25 @@ Lowest first (tests/test_layers.py holds the same order):
     sandbox.py         an untrusted GGUF loads in a child process first
   the engine
     pool.py            one model's shared context, a KV sequence per seated agent; Kind, PoolKey
+    agent.py           an agent's record, its document, the doors' errors, the context check
     runs.py            a DECODE's record (Run) and a pool's step tally
     seating.py         which pool is served, which runs are seated (room, preemption)
     step.py            one step: plan the batch, run it, apply the tokens, sample
     scheduler.py       the one thread that runs every llama_decode, batched, fair by owner
-    agents.py          the Conductor: registration, DECODE, RESET, swap, the context check
+    booking.py         what an agent books in the ledger: cells, weights once, compute buffers
+    swap.py            paused agents' KV in host RAM (snapshots booked to the swap share)
+    own.py             a context of a user's own, made apart instead of reopening a shared pool
+    agents.py          the Conductor: registration, DECODE, RESET (with the three parts above)
   its door
     requests.py        request pools: one-shot requests of owners (what serve/ uses)
     __init__.py        the names the fronts use: the Conductor and its parts' settings, request pools
 
 Where each rule lives: admission (admission/ledger.py, with the bytes from estimate.py and
-the shares from admission/quotas.py) in Conductor.register; fairness (policy.py) applied by the
+the shares from admission/quotas.py) in Conductor.register (conductor/booking.py); fairness (policy.py) applied by the
 scheduler; sharing of cells (pool.py: documents, kept cells matched per owner; the tiers below in
 ../kvcache/) and
 eviction (pool.py: least recently used kept cells first; idle seats paused by
-seating._make_room); the context length (agents.check_context) for both doors.
+seating._make_room); the context length (agent.check_context) for both doors.
 """
 from ..admission.ledger import Ledger, LedgerDenied
 from ..admission.memory import DeviceMemory

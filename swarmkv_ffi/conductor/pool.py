@@ -35,7 +35,7 @@ until its context goes, so the ledger stays true and nobody is paused for a leav
 A reopen pauses every resident to host RAM and back. So an agent registered since the
 pool opened that does not fit it, while another user's agent sits in it, does not
 reopen it: it decodes in a context of its owner's own (`PoolKey.alone`, made on a
-thread of its own and booked to the owner: agents.py) with that owner's other such
+thread of its own and booked to the owner: own.py) with that owner's other such
 agents, until they leave; it is rebuilt larger or smaller for them the same way. One user's agents of
 growing size cost that user, not everyone in the pool.
 

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Callable
 
 from . import sandbox
-from .agents import Agent, Conductor, ConductorError, ContextFull, check_context, named_source
+from .agent import Agent, ConductorError, ContextFull, check_context, named_source
+from .agents import Conductor
 from ..kvcache.tier import PrefixTier
 from ..grammar import Compiled
 from .modelfile import LoadableCopy

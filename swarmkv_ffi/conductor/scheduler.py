@@ -168,7 +168,7 @@ class Scheduler(Seating, Steps):
                 self.live = None
 
     def adopt(self, pool: Pool) -> None:
-        """(On this thread.) Serve `pool`, opened elsewhere (a user's own context: agents.py)
+        """(On this thread.) Serve `pool`, opened elsewhere (a user's own context: own.py)
         in place of the pool of its key, whose agents are paused (their runs wait to
         rejoin: in `pool`)."""
         old = self.pools.get(pool.key)

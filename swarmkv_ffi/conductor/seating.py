@@ -66,11 +66,11 @@ class Seating:
         """Make `pool` live: the batch leaves (its runs wait to rejoin). A request pool
         stays open, its requests seated, its kept cells kept (its cells are booked whole
         by its reservation, its compute buffer with it), and so does a conversations' pool
-        while a request pool is live (each pool books its own compute buffer: agents.py),
+        while a request pool is live (each pool books its own compute buffer: booking.py),
         so requests and conversations of one model take turns without rebuilding each
         other. Between lmxd's conversations' pools the seed's time-slicing stays: the one
         that was live has its agents paused to host RAM and its context freed, unless one
-        of the two is a user's own context (booked apart: agents.py). `pool`,
+        of the two is a user's own context (booked apart: own.py). `pool`,
         unless open (or if stale: rebuilt), opens sized for its agents that have DECODEd
         and every agent of `payers` (uid -> weight), who are charged its time."""
         t0 = time.perf_counter()
@@ -159,7 +159,7 @@ class Seating:
     def _make_room(self, pool: Pool, run: Run) -> bool:
         """Free a seat for `run`'s agent. If agents were registered since the pool opened and
         its owner's own idle seats cannot make room while another user's agent sits here,
-        the agent decodes in a context of its owner's own (agents.py: the run waits for
+        the agent decodes in a context of its owner's own (own.py: the run waits for
         it), pausing nobody. Else pause idle residents (its owner's own first, then the
         least recently used of others: freely those of users holding as many cells, the
         rest as often as its owner may reopen a pool; charged to `run`'s owner); or reopen
@@ -185,7 +185,7 @@ class Seating:
         idle = self._idle_seats(pool, run.owner)
         if undersized and not self._room(pool, [s for s in idle if s.agent.owner == run.owner], seqs, cells) \
                 and self.host.own_context(pool, run):
-            return False       # it decodes in a context of its owner's own (agents.py), pausing nobody
+            return False       # it decodes in a context of its owner's own (own.py), pausing nobody
         idle = self._pausable(pool, run, idle, seqs, cells)
         if self._room(pool, idle, seqs, cells):
             t0 = time.perf_counter()
