@@ -30,8 +30,10 @@ LAYERS: list[list[str]] = [
     ["kvcache.host", "kvcache.disk"],                                   # the tiers below the cells
     ["conductor.policy", "conductor.common_prompts", "conductor.modelfile", "conductor.registry", "conductor.estimate",
      "conductor.sandbox"],                                                # the conductor's parts
+    ["conductor.request_cells"],                                        # a request pool's kept cells
     ["conductor.pool"],                                                 # a model's shared context
-    ["conductor.runs", "conductor.agent"],                              # a DECODE's record; an agent's
+    ["conductor.agent"],                                                # an agent's record, its pool key
+    ["conductor.runs"],                                                 # a DECODE's record, a pool's tally
     ["conductor.seating", "conductor.step"],                            # choose and seat; plan, run, apply a step
     ["conductor.scheduler"],                                            # the thread of the batched steps
     ["conductor.booking", "conductor.swap"],                            # the Conductor's bookings, host-RAM KV
@@ -202,3 +204,37 @@ def test_prefix_caching_has_one_home():
              for name, (path, _) in sorted(modules().items())
              if not name.startswith("kvcache") and definitions(path) & PREFIX_CACHE_NAMES]
     assert not stray, "move these to swarmkv_ffi/kvcache/:\n" + "\n".join(stray)
+
+
+#: The engine's rooms stay small enough to read in one sitting (issue 62).
+MAX_ENGINE_LINES = 450
+#: The modules that seat and step sequences: what a sequence is for (a conversation, a
+#: request, a reservation) is the pool's and the agent's business, never a branch here.
+KIND_BLIND = ["conductor.pool", "conductor.request_cells", "conductor.seating", "conductor.step",
+              "conductor.scheduler", "conductor.runs"]
+
+
+def kind_branches(path: Path) -> list[int]:
+    """The lines where `path` reads a member of Kind (Kind.REQUEST, ...)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [n.lineno for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "Kind"]
+
+
+def test_no_module_of_the_engine_is_over_its_size():
+    found = modules()
+    long = {name: n for name, (path, _) in found.items() if name.startswith("conductor")
+            and (n := len(path.read_text().splitlines())) > MAX_ENGINE_LINES}
+    assert not long, f"split these (over {MAX_ENGINE_LINES} lines): {long}"
+
+
+def test_the_pool_and_the_scheduler_never_branch_on_an_agents_kind():
+    found = modules()
+    branches = {name: kind_branches(found[name][0]) for name in KIND_BLIND}
+    assert not any(branches.values()), f"Kind read at these lines: {branches}"
+
+
+def test_the_kind_scan_sees_a_branch(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(agent):\n    if agent.kind is Kind.REQUEST:\n        return 1\n")
+    assert kind_branches(probe) == [2]

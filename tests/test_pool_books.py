@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from swarmkv_ffi.conductor.agent import Agent
-from swarmkv_ffi.conductor.pool import Fixed, Kind, Pool, PoolKey
+from swarmkv_ffi.conductor.agent import Kind
+from swarmkv_ffi.conductor.pool import Fixed, Pool, PoolKey
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ import pytest
 from corpus import DOC
 from swarmkv_ffi.conductor.agents import Conductor, ConductorError, ContextFull
 from swarmkv_ffi.admission.ledger import Ledger
-from swarmkv_ffi.conductor.pool import pool_key
+from swarmkv_ffi.conductor.agent import pool_key
 from swarmkv_ffi.conductor.requests import RequestPool
 
 MODEL = "smollm2-135m"

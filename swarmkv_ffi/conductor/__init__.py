@@ -12,8 +12,9 @@ Lowest first (tests/test_layers.py holds the same order):
     estimate.py        bytes an agent needs, from its GGUF (weights + KV for n_ctx + compute)
     sandbox.py         an untrusted GGUF loads in a child process first
   the engine
-    pool.py            one model's shared context, a KV sequence per seated agent; Kind, PoolKey
-    agent.py           an agent's record, its document, the doors' errors, the context check
+    request_cells.py   a request pool's kept cells: fork, keep, recall, evict (kvcache/ below)
+    pool.py            one model's shared context, a KV sequence per seated agent; PoolKey
+    agent.py           an agent's record, its Kind and pool key, the doors' errors, the context check
     runs.py            a DECODE's record (Run) and a pool's step tally
     seating.py         which pool is served, which runs are seated (room, preemption)
     step.py            one step: plan the batch, run it, apply the tokens, sample
@@ -27,10 +28,10 @@ Lowest first (tests/test_layers.py holds the same order):
     __init__.py        the names the fronts use: the Conductor and its parts' settings, request pools
 
 Where each rule lives: admission (admission/ledger.py, with the bytes from estimate.py and
-the shares from admission/quotas.py) in Conductor.register (conductor/booking.py); fairness (policy.py) applied by the
-scheduler; sharing of cells (pool.py: documents, kept cells matched per owner; the tiers below in
-../kvcache/) and
-eviction (pool.py: least recently used kept cells first; idle seats paused by
+the shares from admission/quotas.py) in Conductor.register (booking.py); fairness
+(policy.py) applied by the scheduler; sharing of cells (pool.py: documents;
+request_cells.py: kept cells matched per owner; the tiers below in ../kvcache/) and
+eviction (request_cells.py: least recently used kept cells first; idle seats paused by
 seating._make_room); the context length (agent.check_context) for both doors.
 """
 from ..admission.ledger import Ledger, LedgerDenied

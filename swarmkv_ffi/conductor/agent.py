@@ -1,7 +1,9 @@
-"""What the conductor keeps of an agent, and the errors its doors raise: plain records
-(the Conductor that acts on them: agents.py)."""
+"""What the conductor keeps of an agent, the pool its kind and mode decide, and the
+errors its doors raise: plain records (the Conductor that acts on them: agents.py).
+The pool and the scheduler never ask an agent's kind: a request pool seats requests."""
 from __future__ import annotations
 
+import enum
 import os
 import re
 import time
@@ -13,8 +15,29 @@ from ..errors import ModelNotFoundError, SwarmKVError
 from ..snapshot import Snapshot
 from .estimate import Estimate
 from .modelfile import ModelFile, ModelSource
-from .pool import Kind, PoolKey
+from .pool import PoolKey
 from .registry import Loaded
+
+class Kind(enum.Enum):
+    """What an agent is, which decides the pool it decodes in and how it ends."""
+    CONVERSATION = "conversation"   # lmxd's: registered, DECODEs continue its history
+    REQUEST = "request"             # one prompt (Agent.asked) run once in a request pool;
+                                    # it forks kept cells and leaves its own as cache
+    RESERVATION = "reservation"     # books a request pool's cells and weights; never decodes
+
+
+def pool_key(agent) -> PoolKey:
+    """The pool an agent decodes in."""
+    return key_for(agent.file.key, agent.exact, agent.prefix is not None, agent.kind,
+                   str(agent.owner) if agent.alone else "")
+
+
+def key_for(model: str, exact: bool, with_prefix: bool, kind: "Kind", alone: str = "") -> PoolKey:
+    """The pool of an agent of this model file, mode and kind (before it exists, as
+    admission needs it): exact with a document or when asked; a request pool's or one
+    of lmxd's pools sized for its conversations; `alone`: the uid whose own context it is."""
+    return PoolKey(model, with_prefix or exact, kind is not Kind.CONVERSATION, alone)
+
 
 AGENT_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 

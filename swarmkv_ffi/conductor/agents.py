@@ -34,7 +34,8 @@ from .booking import Booking, compute_key_of, excess_key_of
 from .modelfile import LoadableCopy, ModelSource
 from .own import OwnContexts, in_background
 from .policy import Policy
-from .pool import Fixed, Kind, Pool, PoolKey, key_for, pool_key
+from .agent import Kind, key_for, pool_key
+from .pool import Fixed, Pool, PoolKey
 from .registry import Loaded, ModelRegistry
 from .runs import Run, Stopping
 from .scheduler import Scheduler

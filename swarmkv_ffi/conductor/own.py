@@ -13,7 +13,8 @@ import threading
 from ..admission.ledger import LedgerDenied
 from .agent import Agent
 from .booking import compute_key_of
-from .pool import Kind, Pool, PoolKey, pool_key
+from .agent import Kind, pool_key
+from .pool import Pool, PoolKey
 from .runs import Run
 
 log = logging.getLogger("lmxd")

@@ -30,7 +30,8 @@ from .agents import Conductor
 from ..kvcache.tier import PrefixTier
 from ..grammar import Compiled
 from .modelfile import LoadableCopy
-from .pool import MAX_SEQS, Fixed, Kind, NoRoom
+from .agent import Kind
+from .pool import MAX_SEQS, Fixed, NoRoom
 from .runs import Run, Stopping
 
 #: What a caller of this door needs, all from here: the pool, its handles, the most

@@ -9,7 +9,8 @@ from typing import Callable
 
 from ..grammar import Compiled, Constraint
 from ..sampler import Sampler
-from .pool import PoolKey, pool_key
+from .agent import pool_key
+from .pool import PoolKey
 
 
 class Stopping(Exception):

@@ -15,7 +15,7 @@ from ..kvcache.costs import Costs
 from ..kvcache.thresholds import HOST_MIN, WAIT_FOR_PREFIX
 from ..sampler import Sampler
 from .policy import SLICE_SECONDS
-from .pool import Kind, NoRoom, Pool
+from .pool import NoRoom, Pool
 from .runs import Run, StepTally
 
 SLICE_TOKENS = 32
@@ -121,7 +121,7 @@ class Seating:
             try:
                 if pool.seat_of(run.agent) is None:
                     entry = pool.seat(run.agent)
-                    if entry.restored and entry.tier is None and run.agent.kind is Kind.REQUEST:
+                    if entry.restored and entry.tier is None and pool.key.requests:
                         self._swap_cost(pool).observe(len(run.agent.history), entry.swap_s)   # back from a swap
                     run.swap_s += entry.swap_s
                     run.restored |= entry.restored
@@ -152,7 +152,7 @@ class Seating:
         and forks its cells (kvcache/device.py): requests sent together over one document prefill
         it once."""
         agent = run.agent
-        if agent.kind is not Kind.REQUEST or agent.history or pool.seat_of(agent) is not None:
+        if not pool.key.requests or agent.history or pool.seat_of(agent) is not None:
             return False
         return pool.coming(agent) >= pool.match(agent)[0] + WAIT_FOR_PREFIX
 

@@ -12,7 +12,8 @@ from ..context import Context
 from ..kvcache.thresholds import REPLAY_MAX
 from ..snapshot import Snapshot
 from .agent import Agent, ConductorError
-from .pool import Seat, pool_key
+from .agent import pool_key
+from .pool import Seat
 
 
 class Swap:
