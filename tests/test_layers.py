@@ -238,3 +238,23 @@ def test_the_kind_scan_sees_a_branch(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def f(agent):\n    if agent.kind is Kind.REQUEST:\n        return 1\n")
     assert kind_branches(probe) == [2]
+
+
+def test_the_conductor_is_everything_the_scheduler_asks_of_its_host():
+    """scheduler.Host declares what the scheduler calls on the conductor; the Conductor
+    has each of those methods, with the same parameters, and the scheduler calls no other."""
+    import inspect
+    import re
+
+    from swarmkv_ffi.conductor.agents import Conductor
+    from swarmkv_ffi.conductor.scheduler import Host
+
+    declared = {n for n, f in vars(Host).items() if inspect.isfunction(f) and not n.startswith("_")}
+    def params(fn) -> list[str]:
+        return [p for p in inspect.signature(fn).parameters if p != "self"]   # (a staticmethod has none)
+    for name in declared:
+        assert params(getattr(Conductor, name)) == params(getattr(Host, name)), name
+    called = set()
+    for module in ("scheduler", "seating", "step"):
+        called |= set(re.findall(r"self\.host\.(\w+)", (ROOT / f"swarmkv_ffi/conductor/{module}.py").read_text()))
+    assert called == declared

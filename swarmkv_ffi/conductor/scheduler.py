@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, Protocol
 
 from ..batch import Batch
 from ..kvcache.costs import Costs
@@ -60,6 +60,39 @@ GATHER_MAX = 0.02
 IDLE_WAIT = 0.005
 
 
+class Host(Protocol):
+    """What the scheduler asks of the conductor that owns it (agents.py's Conductor), on
+    the scheduler's thread: the ledgers, the agents' table and their conversations stay
+    the conductor's."""
+
+    def open_pool(self, key: PoolKey, loaded) -> Pool:
+        """A pool for `key`, lent what books memory (not yet open)."""
+
+    def agents_of(self, key: PoolKey, sizing_for: set[int] | None = None) -> list:
+        """The agents a pool of `key` is sized for."""
+
+    def begin(self, run: Run) -> None:
+        """The run's prompt as tokens (run.feed), checked against its context."""
+
+    def finished(self, run: Run) -> None:
+        """A run has ended (a request leaves its cells as cache)."""
+
+    def book_excess(self, pool: Pool, agents: list) -> bool:
+        """Book the pool's cells beyond its agents' bookings; False when they do not fit."""
+
+    def own_context(self, pool: Pool, run: Run) -> bool:
+        """Seat the run's agent in a context of its owner's own instead; True: it waits for it."""
+
+    def forget_conversation(self, agent) -> None:
+        """The agent's conversation is gone (a failed roll-back)."""
+
+    def reset_error(self, agent, exc: Exception) -> Exception:
+        """The error a run gets when its roll-back failed."""
+
+    def rewind_paused(self, agent) -> None:
+        """A DECODE was undone while its agent was paused."""
+
+
 class _Op:
     def __init__(self, fn: Callable, agent):
         self.fn, self.agent = fn, agent
@@ -68,9 +101,9 @@ class _Op:
 
 class Scheduler(Seating, Steps):
     """host: the conductor, which lends the pools what books memory (open_pool) and
-    turns a run's prompt into tokens (begin)."""
+    turns a run's prompt into tokens (begin): all it is asked is `Host`."""
 
-    def __init__(self, host, policy: Policy | None = None):
+    def __init__(self, host: Host, policy: Policy | None = None):
         self.host = host
         self.policy = policy or Policy()
         self._costs: dict[PoolKey, StepCost] = {}   # per pool key: its steps' fitted cost
