@@ -2,6 +2,7 @@
 and commands that exist (docs/lmxd.md's protocol table is checked in test_conductor.py)."""
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -59,3 +60,23 @@ def test_readme_synopsis_lists_every_subcommand():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     missing = [name for name in sub.choices if f"swarmkv {name}" not in text]
     assert not missing, missing
+
+
+#: The packages whose __init__ is their map: each module, a line that says what it holds.
+MAPPED = ["conductor", "kvcache", "admission", "lmxd", "serve", "fanout"]
+
+
+def unmapped(package: Path) -> list[str]:
+    """The modules of `package` its __init__'s docstring does not name."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    return [p.name for p in sorted(package.glob("*.py"))
+            if not p.name.startswith("__") and not re.search(rf"\b{re.escape(p.name)}\b", doc)]
+
+
+def test_each_engine_package_maps_every_module_it_holds(tmp_path):
+    missing = {name: unmapped(ROOT / "swarmkv_ffi" / name) for name in MAPPED}
+    assert not any(missing.values()), f"name these in their package's __init__ docstring: {missing}"
+    (tmp_path / "__init__.py").write_text('"""a.py does one thing."""\n')
+    (tmp_path / "a.py").write_text("")
+    (tmp_path / "b.py").write_text("")
+    assert unmapped(tmp_path) == ["b.py"]          # the check sees a module left out

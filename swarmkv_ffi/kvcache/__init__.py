@@ -4,6 +4,7 @@
     thresholds.py  every length at which the cache changes its mind
     tier.py        PrefixTier: the interface of a tier below the pool's cells
     costs.py       seconds a token of copying KV, learnt from the copies made
+    radix.py       a radix tree of token blocks: the longest held opening, in one walk
     device.py      the pool's own cells kept after a request ends (Kept)
     host.py        HostTier: evicted prefixes in host RAM, booked in the swap ledger
     disk.py        DiskTier: prefixes on disk, through the file store, signed per key
