@@ -255,16 +255,16 @@ class Conductor(Booking, Swap, OwnContexts):
         return self._result(run, agent_id, (time.perf_counter_ns() - t0) / 1e6)
 
     def _result(self, run: Run, agent_id: str, elapsed_ms: float) -> DecodeResult:
-        evicted = self._evicted_for(run.agent, run.evicted)
+        evicted = self._evicted_for(run.agent, run.figures.evicted)
         if run.cancelled:
-            return DecodeResult(agent_id, run.prompt_tokens, 0, False, 0.0, evicted, run.restored, "",
+            return DecodeResult(agent_id, run.prompt_tokens, 0, False, 0.0, evicted, run.figures.restored, "",
                                 cancelled=True)
         model = run.agent.loaded.model
         text = b"".join(model.token_bytes(t) for t in run.generated).decode("utf-8", "replace")
         return DecodeResult(agent_id, run.prompt_tokens, len(run.generated), run.stopped_on_eog, elapsed_ms,
-                            evicted, run.restored, text, queued_ms=run.queued_s * 1e3,
-                            swap_ms=run.swap_s * 1e3, slices=run.slices, batch=run.batch_max,
-                            forked=run.forked)
+                            evicted, run.figures.restored, text, queued_ms=run.figures.queued_s * 1e3,
+                            swap_ms=run.figures.swap_s * 1e3, slices=run.figures.slices, batch=run.figures.batch_max,
+                            forked=run.figures.forked)
 
     def _evicted_for(self, agent: Agent, evicted: Agent | None) -> str | None:
         """The agent swapped out, as the requester may see it: another user's agent is
@@ -280,7 +280,7 @@ class Conductor(Booking, Swap, OwnContexts):
         come after what its seat forked (kvcache/device.py); it was checked when submitted."""
         agent = run.agent
         if agent.kind is Kind.REQUEST:
-            run.cached = len(agent.history)
+            run.figures.cached = len(agent.history)
             run.prompt_tokens, run.feed = len(agent.asked), agent.asked[len(agent.history):]
             run.n_history, run.pending, run.began = len(agent.history), None, True
             return

@@ -24,13 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import sandbox
-from .agent import Agent, ConductorError, ContextFull, check_context, named_source
-from .agents import Conductor
-from ..kvcache.tier import PrefixTier
 from ..grammar import Compiled
+from ..kvcache.tier import PrefixTier
+from . import sandbox
+from .agent import Agent, ConductorError, ContextFull, Kind, check_context, named_source
+from .agents import Conductor
 from .modelfile import LoadableCopy
-from .agent import Kind
 from .pool import MAX_SEQS, Fixed, NoRoom
 from .runs import Run, Stopping
 
@@ -71,7 +70,7 @@ class Request:
     def cached(self) -> int:
         """Prompt tokens whose cells were forked, not decoded: known once it is seated
         (before its first token), 0 until then."""
-        return self._run.cached
+        return self._run.figures.cached
 
     def result(self) -> RequestResult:
         """Wait for the end; raises scheduler.Stopping (the conductor stopped first), a
@@ -80,8 +79,8 @@ class Request:
         run.done.wait()
         if run.error is not None:
             raise run.error
-        return RequestResult(list(run.generated), run.cached, run.stopped_on_eog, run.cancelled, run.completed,
-                             run.tier)
+        return RequestResult(list(run.generated), run.figures.cached, run.stopped_on_eog, run.cancelled, run.completed,
+                             run.figures.tier)
 
 
 class RequestPool:

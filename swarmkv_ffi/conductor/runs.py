@@ -18,43 +18,54 @@ class Stopping(Exception):
 
 
 @dataclass
+class Figures:
+    """How a run went, for its reply (DecodeResult, RequestResult, STATUS): the scheduler
+    writes them and decides nothing by them."""
+    queued_s: float = 0.0         # waiting to join a batch (other pools' turns, a full batch)
+    swap_s: float = 0.0           # making its agent resident (pools switched, restores, forks)
+    slices: int = 0               # times it joined a batch
+    batch_max: int = 0            # the most runs stepped with it at once
+    restored: bool = False        # its KV (or its document's) came back from host RAM
+    forked: bool = False          # it shares cells it did not decode
+    tier: str | None = None       # where a request's cached opening came from (pool.Entry.tier)
+    cached: int = 0               # prompt tokens whose cells were forked, not decoded (a request)
+    evicted: object | None = None     # the agent paused to make room for this one
+
+
+@dataclass
 class Run:
-    """One DECODE, from its arrival to its reply."""
+    """One DECODE, from its arrival to its reply: what was asked, where it stands, what it
+    gave, and its figures."""
+    # what was asked
     agent: object
     owner: int
     prompt: str
     max_tokens: int
     should_stop: Callable[[], bool]
-    arrival: int = 0
-    began: bool = False
-    feed: list[int] = field(default_factory=list)   # tokens for the next steps, not in history yet
-    prompt_tokens: int = 0
-    n_history: int = 0            # the history's length before the DECODE (for a roll-back)
-    pending: int | None = None    # the agent's pending token before the DECODE
-    generated: list[int] = field(default_factory=list)
-    stopped_on_eog: bool = False
-    cancelled: bool = False
-    error: BaseException | None = None
-    evicted: object | None = None     # the agent paused to make room for this one
-    restored: bool = False
-    forked: bool = False
-    tier: str | None = None       # where a request's cached opening came from (pool.Entry.tier)
-    stepped: bool = False         # it has been in a step (its prompt is no longer whole)
-    slices: int = 0
-    slice_tokens: int = 0
-    batch_max: int = 0
-    queued_s: float = 0.0
-    swap_s: float = 0.0
-    since: float = field(default_factory=time.perf_counter)   # when it last began waiting
-    sampler: Sampler | None = None
     sampling: dict = field(default_factory=dict)   # Sampler settings (temp, top_p, seed)
     top_logprobs: int | None = None   # report each token's logprob and this many alternatives
     grammar: "str | Compiled | None" = None   # the output must follow it (grammar.py); constraint: its state
-    constraint: Constraint | None = None
-    completed: bool = False       # the grammar allowed nothing more: the output is whole
     on_token: Callable | None = None  # (token, logprobs or None) after each one; False ends the run
-    cached: int = 0               # prompt tokens whose cells were forked, not decoded (a request)
+    # where it stands (the scheduler's)
+    arrival: int = 0
+    began: bool = False
+    feed: list[int] = field(default_factory=list)   # tokens for the next steps, not in history yet
+    n_history: int = 0            # the history's length before the DECODE (for a roll-back)
+    pending: int | None = None    # the agent's pending token before the DECODE
+    stepped: bool = False         # it has been in a step (its prompt is no longer whole)
+    slice_tokens: int = 0         # tokens since it last joined the batch (SLICE_TOKENS)
+    since: float = field(default_factory=time.perf_counter)   # when it last began waiting
+    sampler: Sampler | None = None
+    constraint: Constraint | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    # what it gave
+    prompt_tokens: int = 0
+    generated: list[int] = field(default_factory=list)
+    stopped_on_eog: bool = False
+    completed: bool = False       # the grammar allowed nothing more: the output is whole
+    cancelled: bool = False
+    error: BaseException | None = None
+    figures: Figures = field(default_factory=Figures)
 
     @property
     def pool_key(self) -> PoolKey:

@@ -88,7 +88,7 @@ class Seating:
         cost = time.perf_counter() - t0
         for run in self._waiting:
             if run.pool_key == pool.key:
-                run.swap_s += cost
+                run.figures.swap_s += cost
         self._charge(self.policy.by_rows(payers, cost))
 
     @staticmethod
@@ -116,20 +116,20 @@ class Seating:
                 continue
             busy.add(id(run.agent))
             self._waiting.remove(run)
-            run.queued_s += time.perf_counter() - run.since
+            run.figures.queued_s += time.perf_counter() - run.since
             t0 = time.perf_counter()
             try:
                 if pool.seat_of(run.agent) is None:
                     entry = pool.seat(run.agent)
                     if entry.restored and entry.tier is None and pool.key.requests:
                         self._swap_cost(pool).observe(len(run.agent.history), entry.swap_s)   # back from a swap
-                    run.swap_s += entry.swap_s
-                    run.restored |= entry.restored
-                    run.forked |= entry.forked
-                    run.tier = run.tier if run.began else entry.tier
+                    run.figures.swap_s += entry.swap_s
+                    run.figures.restored |= entry.restored
+                    run.figures.forked |= entry.forked
+                    run.figures.tier = run.figures.tier if run.began else entry.tier
                 if not run.began:
                     self.host.begin(run)
-                    run.evicted = run.evicted or self._switch_evicted
+                    run.figures.evicted = run.figures.evicted or self._switch_evicted
                     run.sampler = Sampler(**run.sampling, n_vocab=run.agent.loaded.model.n_vocab)
                     if run.grammar is not None:
                         run.constraint = Constraint(run.agent.loaded.model, run.grammar)
@@ -138,7 +138,7 @@ class Seating:
                 continue
             finally:     # seating and tokenizing are the scheduler's time too, failed or not
                 self._charge({run.owner: time.perf_counter() - t0})
-            run.slices += 1
+            run.figures.slices += 1
             run.slice_tokens = 0
             self._batch.append(run)
         self._switch_evicted = None
@@ -191,7 +191,7 @@ class Seating:
             t0 = time.perf_counter()
             for seat in idle:          # pausing them all would make room: pause only as many as needed
                 pool.unseat(seat.agent, pause=True)
-                run.evicted = run.evicted or seat.agent
+                run.figures.evicted = run.figures.evicted or seat.agent
                 if pool.fits(run.agent):
                     break
             self._charge({run.owner: time.perf_counter() - t0})

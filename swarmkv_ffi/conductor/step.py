@@ -162,7 +162,7 @@ class Steps:
         sample their next token, each owner charged its host time."""
         host: dict[int, float] = {}
         for row in step.rows:
-            row.run.batch_max = max(row.run.batch_max, len(step.rows))
+            row.run.figures.batch_max = max(row.run.figures.batch_max, len(step.rows))
             row.run.stepped = True
             advance(row.run, row.seat, row.n)
             pool.last = row.run.agent
