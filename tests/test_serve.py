@@ -178,6 +178,19 @@ def test_logprobs_rank_the_greedy_token_first(exact):
         assert e.top_logprobs[0].token == e.token and e.logprob == tops[0]     # greedy: the likeliest
 
 
+def test_streamed_logprobs_are_every_token_once_as_in_the_whole_answer(exact):
+    """Each streamed chunk carries the entries of the tokens since the last one: together
+    they are the whole answer's entries, none lost or sent twice (they are formatted off
+    the decode thread, as the stream reads them)."""
+    client, messages = exact.client(KEY_A), chat(document("streamed logprobs"), "Who grants the license?")
+    whole = ask(client, messages, max_tokens=24, logprobs=True, top_logprobs=2)
+    chunks = list(ask(client, messages, max_tokens=24, logprobs=True, top_logprobs=2, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(streamed) == whole.usage.completion_tokens
+    assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in streamed] == \
+        [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in whole.choices[0].logprobs.content]
+
+
 def test_completions_endpoint(exact):
     reply = exact.client(KEY_A).completions.create(model=MODEL, prompt="The Apache License is", max_tokens=8,
                                                    temperature=0, logprobs=2)

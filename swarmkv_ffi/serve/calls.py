@@ -26,15 +26,26 @@ from .text import TextStream
 class Choice:
     """One choice as it is produced: its text so far, logprobs, how it ended."""
 
-    def __init__(self, index: int, stream: TextStream):
-        self.index, self.text = index, stream
-        self.logprobs: list[TokenLogprob] = []
-        self.ranked_ids: list[tuple[int, list[int]]] = []   # each logprobs entry's token ids (llama_native)
+    def __init__(self, index: int, stream: TextStream, model=None):
+        self.index, self.text, self.model = index, stream, model
+        self.ranked: list[tuple[int, tuple]] = []   # (token, (logprob, [(id, logprob), ...])), as sampled
+        self._entries: list[TokenLogprob] = []      # ranked, formatted so far
+        self._formatting = threading.Lock()
         self.logprobs_sent = 0            # entries already streamed
         self.result, self.error = None, None
         self.job: Job | None = None
         self.n_tokens, self.first_at = 0, None   # tokens so far, when the first came (telemetry.py)
         self.progressed = False           # its prompt_progress event has been sent
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        """Each token's logprobs entry (OpenAI's shape), formatted by whoever reads them
+        (the event loop, a request's thread), never on the scheduler's thread that ranked
+        them: there the callback only checks for a stop string."""
+        with self._formatting:
+            for token, ranked in self.ranked[len(self._entries):]:
+                self._entries.append(logprob_entry(self.model, token, ranked))
+            return list(self._entries)
 
     def finish_reason(self, reply=None) -> str:
         if reply is not None and reply.tool_calls:
@@ -42,6 +53,16 @@ class Choice:
         if self.text.stopped or self.result.stopped_on_eog or self.result.completed:
             return "stop"
         return "length"
+
+
+def logprob_entry(model, token: int, ranked) -> TokenLogprob:
+    """A token's logprobs entry: its text, bytes and logprob, and its top alternatives'."""
+    lp, top = ranked
+
+    def item(t: int, p: float) -> TopLogprob:
+        raw = model.token_bytes(t)
+        return TopLogprob(token=raw.decode("utf-8", "replace"), logprob=p, bytes=list(raw))
+    return TokenLogprob(**dict(item(token, lp)), top_logprobs=[item(t, p) for t, p in top])
 
 
 class Call:
@@ -75,7 +96,7 @@ class Call:
         self._left = n * len(self.prompts)
         for p, tokens in enumerate(self.prompts):
             for k in range(n):
-                choice = Choice(p * n + k, TextStream(self.hosted.model, self.body.stops()))
+                choice = Choice(p * n + k, TextStream(self.hosted.model, self.body.stops()), self.hosted.model)
                 job = Job(self.hosted, self.owner, tokens, self.max_tokens, self._on_token(choice),
                           sampling=self.body.settings(k, self.max_tokens), top_logprobs=self.body.ranked(),
                           grammar=self.structure.compiled or self.structure.grammar)
@@ -86,8 +107,10 @@ class Call:
                                  name=f"serve-choice-{choice.index}").start()
 
     def _on_token(self, choice: Choice):
-        """Runs on the scheduler's thread, between two steps: it wakes the event loop only
-        for a stream (on two cores, a thread woken per token slows every step)."""
+        """Runs on the scheduler's thread, between two steps, so it does the least: the
+        stop-string check, the token's ranks kept raw (Choice.logprobs formats them), and
+        a wake of the event loop only for a stream (on two cores, a thread woken per
+        token slows every step)."""
         stream = self.body.stream
 
         def on_token(token: int, ranked) -> bool:
@@ -96,21 +119,11 @@ class Call:
             choice.n_tokens += 1
             piece = choice.text.feed(token)
             if ranked is not None:
-                choice.logprobs.append(self._logprob_entry(token, ranked))
-                choice.ranked_ids.append((token, [t for t, _ in ranked[1]]))
+                choice.ranked.append((token, ranked))
             if stream:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, ("text", choice, piece))
             return not choice.text.stopped
         return on_token
-
-    def _logprob_entry(self, token: int, ranked) -> TokenLogprob:
-        model = self.hosted.model
-        lp, top = ranked
-
-        def item(t: int, p: float) -> TopLogprob:
-            raw = model.token_bytes(t)
-            return TopLogprob(token=raw.decode("utf-8", "replace"), logprob=p, bytes=list(raw))
-        return TokenLogprob(**dict(item(token, lp)), top_logprobs=[item(t, p) for t, p in top])
 
     def _run(self, choice: Choice, job: Job) -> None:
         try:

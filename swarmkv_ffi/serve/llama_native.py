@@ -172,7 +172,7 @@ class NativeShape:
         fresh = self._probs(choice, choice.logprobs_sent)
         if not text and not fresh:
             return []
-        choice.logprobs_sent = len(choice.logprobs)
+        choice.logprobs_sent += len(fresh)
         event = {"index": choice.index, "content": text, "tokens": [], "stop": False, "id_slot": -1,
                  "tokens_predicted": choice.n_tokens, "tokens_evaluated": self._prompt_n(call, choice)}
         return [sse({**event, "completion_probabilities": fresh} if fresh else event)]
@@ -182,8 +182,8 @@ class NativeShape:
         """llama-server's completion_probabilities of the choice's tokens from `start`."""
         def item(token_id: int, entry) -> dict:
             return {"id": token_id, "token": entry.token, "logprob": entry.logprob, "bytes": entry.bytes}
-        return [{**item(token, entry), "top_logprobs": [item(t, top) for t, top in zip(ids, entry.top_logprobs)]}
-                for entry, (token, ids) in zip(choice.logprobs[start:], choice.ranked_ids[start:])]
+        return [{**item(token, entry), "top_logprobs": [item(t, top) for (t, _), top in zip(ranks, entry.top_logprobs)]}
+                for entry, (token, (_, ranks)) in zip(choice.logprobs[start:], choice.ranked[start:])]
 
     def ending(self, call: Call, choice: Choice):
         return [sse(self._picked(self._final(call, choice, "")))]

@@ -112,7 +112,7 @@ class ChatShape:
         fresh = choice.logprobs[choice.logprobs_sent:]
         if call.structure.enveloped or (not text and not fresh):
             return None
-        choice.logprobs_sent = len(choice.logprobs)
+        choice.logprobs_sent += len(fresh)
         return self._chunk(call, [ChunkChoice(index=choice.index, delta=Delta(content=text),
                                               logprobs=self._logprobs(call, fresh))], **self._timings(call, choice))
 
