@@ -80,3 +80,44 @@ def test_each_engine_package_maps_every_module_it_holds(tmp_path):
     (tmp_path / "a.py").write_text("")
     (tmp_path / "b.py").write_text("")
     assert unmapped(tmp_path) == ["b.py"]          # the check sees a module left out
+
+
+def defined_in(path: Path) -> set[str]:
+    """What a module defines, as `name` and `Class.method`."""
+    tree = ast.parse(path.read_text(), str(path))
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            names |= {f"{node.name}.{m.name}" for m in node.body
+                      if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            names |= {t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                      if isinstance(t, ast.Name)}
+    return names
+
+
+def walk_rows(text: str) -> list[tuple[list[str], list[str]]]:
+    """(files, names) of each table row of docs/engine.md."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and "`" in cells[1]:
+            rows.append((re.findall(r"`([^`]+)`", cells[1]), re.findall(r"`([^`]+)`", cells[2])))
+    return rows
+
+
+def test_the_engine_walk_names_only_what_exists():
+    """docs/engine.md's walk and map stay true: each file exists under swarmkv_ffi/ and
+    each name is defined in one of its row's files."""
+    rows = walk_rows((ROOT / "docs" / "engine.md").read_text())
+    assert len(rows) >= 20
+    wrong = []
+    for files, names in rows:
+        paths = [ROOT / "swarmkv_ffi" / f for f in files]
+        wrong += [f for f, p in zip(files, paths) if not p.exists()]
+        known = set().union(*(defined_in(p) for p in paths if p.exists()))
+        wrong += [f"{n} (in {', '.join(files)})" for n in names if n not in known]
+    assert not wrong, f"docs/engine.md names what is not there: {wrong}"
+    assert walk_rows("| x | `serve/nowhere.py` | `Gone.away` |") == [(["serve/nowhere.py"], ["Gone.away"])]
