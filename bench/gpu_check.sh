@@ -9,7 +9,7 @@
 # Steps, ordered so that a run cut short still returns what it measured:
 #   setup            install bench/.wheels into DIR/site and put it and the tree on PYTHONPATH
 #   device           numba sees a CUDA device and compiles a kernel (exit 2 here if not)
-#   kernel_tests     tests/test_kernels.py on the GPU (the dry-run test deselected)
+#   kernel_tests     tests/kernels/test_kernels.py on the GPU (the dry-run test deselected)
 #   streamer_default the layer streamer at its defaults (JSON)
 #   streamer_balance the same with --balance (JSON)
 #   llama_cuda_build ./build_llama.sh --cuda --cuda-arch ${CUDA_ARCH:-90} --tools-min into the cache,
@@ -145,7 +145,7 @@ if ! device >"$out/device.log" 2>&1; then
 fi
 record device 0 0 "$(tail -1 "$out/device.log")"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/gpu.csv" 2>/dev/null || true
-step kernel_tests env SWARMKV_TEST_GPU=1 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "not gpu_check"
+step kernel_tests env SWARMKV_TEST_GPU=1 "$py" -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py -k "not gpu_check"
 step streamer_default streamer default
 step streamer_balance streamer balance --balance --no-bandwidth
 archive=(); [ -f bench/.wheels/llama-src.tar.xz ] && archive=(--source-archive bench/.wheels/llama-src.tar.xz)

@@ -15,7 +15,7 @@ rebuilds CUDA's ordering rules from that log alone:
 With that happens-before relation it checks, for every slot, that each kernel runs after
 the copy of its own layer, that no other copy into the slot can land between the two, and
 that every pair of operations on a slot where one writes is ordered (no two in-flight
-users). A schedule with any wait removed fails (tests/test_kernels.py shows it).
+users). A schedule with any wait removed fails (tests/kernels/test_kernels.py shows it).
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from .batch import Batch
 from .library import ffi
 from .model import Model
 
-# Values come from the cdef's enums (checked against llama.h by tests/test_cdef_layout.py).
+# Values come from the cdef's enums (checked against llama.h by tests/binding/test_cdef_layout.py).
 KV_TYPES = {name: library.enum("ggml_type")[f"GGML_TYPE_{name.upper()}"]
             for name in ("f32", "f16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "bf16")}
 FLASH_ATTN = {name: library.enum("llama_flash_attn_type")[f"LLAMA_FLASH_ATTN_TYPE_{c}"]

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+#: The repository's root (tests/ sits below it, test modules one folder further down).
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
 LICENCE = (EXAMPLES / "apache-2.0.txt").read_text()
+APACHE = LICENCE            # (the servers' tests call it by its file's name)
 DOC = LICENCE[:1400]  # ~280 tokens: several n_batch=64 chunks
 QUESTIONS = [
     "What is this document?",

@@ -31,3 +31,14 @@ def scrape(server, key: str | None) -> dict:
     label left out: these servers host one)."""
     return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model"))): s.value
             for s in servers.scrape(server, key)}
+
+
+def chat(doc: str, question: str) -> list[dict]:
+    """A system message holding the document, then the question."""
+    return [{"role": "system", "content": doc}, {"role": "user", "content": question}]
+
+
+def ask(client, messages, max_tokens=16, **kw):
+    """A greedy chat completion of MODEL."""
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
+                                          temperature=0, **kw)

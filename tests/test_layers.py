@@ -258,3 +258,16 @@ def test_the_conductor_is_everything_the_scheduler_asks_of_its_host():
     for module in ("scheduler", "seating", "step"):
         called |= set(re.findall(r"self\.host\.(\w+)", (ROOT / f"swarmkv_ffi/conductor/{module}.py").read_text()))
     assert called == declared
+
+
+def test_test_modules_never_import_each_other():
+    """A test module's helpers live in tests/*.py (shared) or in the module itself: with the
+    modules in folders, `from test_serve import ...` would find test_serve only when
+    pytest happened to collect it first."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert not found, found

@@ -13,7 +13,7 @@ SOURCE = "llama-cpp-python==0.3.36"
 #: applied (build_llama.sh applies them).
 LLAMA_H_SHA256 = "7f3bb7c1354cad30bb895a292267c89285cc6b73cb5fb5614931bc8ec4a43e69"
 
-#: Names of the structs whose layout tests/test_cdef_layout.py checks against the header.
+#: Names of the structs whose layout tests/binding/test_cdef_layout.py checks against the header.
 CHECKED_STRUCTS = (
     "struct llama_model_params",
     "struct llama_context_params",

@@ -3,7 +3,7 @@
 For each mode (fast = our defaults, exact = batch-invariant kernels) the same workload runs
 twice in this process: copy mode as the plain run (each branch alone in a fresh context
 restored from the document's snapshot, one token per decode: bit-identical to the N-agent
-baseline, tests/test_fanout.py, without its N prefills) and shared mode (one prefill, N
+baseline, tests/fanout/test_fanout.py, without its N prefills) and shared mode (one prefill, N
 branches decoded together). Fidelity: for every branch, whether its tokens and the digest
 of every row of logits equal the plain run's, and the first token where they do not. Cost: end-to-end, prefill and decode tokens/s of
 shared mode in exact vs fast mode (ratios from one run, same machine, same minute).

@@ -4,7 +4,7 @@
 Both get the model's vocabulary the way the server reads it (every token's bytes from
 libllama, control tokens apart) and the same JSON schemas, compiled with the same
 separators and no free whitespace: the response schema of `bench serve --scenarios
-structured`, the nested one of tests/test_serve_structured.py, and the tool-call form
+structured`, the nested one of tests/serve/test_serve_structured.py, and the tool-call form
 (serve/structured.py) over two tools. For each engine and schema:
 
     vocab_s       building the engine's view of the vocabulary (once per model)

@@ -60,7 +60,7 @@ ATTACKS = ("idle", "flood", "big", "body")
 #: The attacker's requests in flight in `flood`: its quota on the bench's servers (--parallel 64, two keys).
 FLOOD = 32
 #: A memory budget that holds SmolLM2-135M or Gemma 3 270M with a pool of CHURN_CELLS,
-#: never both (tests/test_serve_loading.py measured 258 and 832 MiB booked).
+#: never both (tests/serve/test_serve_loading.py measured 258 and 832 MiB booked).
 CHURN_BUDGET, CHURN_CELLS, CHURN_OTHER = 1000 << 20, 2048, "gemma3-270m"
 
 

@@ -124,7 +124,7 @@ def test_a_writer_killed_mid_write_leaves_no_half_entry(tmp_path):
     for p in folder.iterdir():
         if TEMPORARY.match(p.name):
             os.utime(p, (old, old))
-    from test_prefix_cache import fake_snapshot
+    from fakes import fake_snapshot
     cache.store(fake_snapshot(4, 2000, 9999), {})
     assert not [p for p in folder.iterdir() if TEMPORARY.match(p.name)]
 
@@ -256,10 +256,10 @@ def test_a_full_cache_disk_never_fails_a_request(front, tmp_path):
     once there is space the next shared prefix is stored."""
     from openai import OpenAI
 
+    from corpus import APACHE
     from lmxd_daemon import Daemon
-    from serve_process import MODEL, Serve
+    from serve_process import Serve, ask, chat
     from swarmkv_ffi.bench.peer import free_port
-    from test_serve import APACHE, ask, chat
     with tmpfs(tmp_path / "fs", "48m") as fs:
         cache = fs / "cache"
         filler = fill(fs, 1 << 20)

@@ -11,31 +11,21 @@ import json
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
 
-from serve_process import MODEL, Serve
+from corpus import APACHE
+from serve_process import MODEL, Serve, ask, chat
 
 pytestmark = pytest.mark.slow
 
 KEY_A, KEY_B = "key-a-0123456789", "key-b-0123456789"
-APACHE = (Path(__file__).parent.parent / "examples" / "apache-2.0.txt").read_text()
 
 
 def document(name: str) -> str:
     """A document no other test sends (the cache is per server, tests share one)."""
     return f"Document {name}.\n" + APACHE[:2400]
-
-
-def chat(doc: str, question: str) -> list[dict]:
-    return [{"role": "system", "content": doc}, {"role": "user", "content": question}]
-
-
-def ask(client, messages, max_tokens=16, **kw):
-    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
-                                          temperature=0, **kw)
 
 
 def logprobs(reply) -> list[float]:

@@ -2,7 +2,7 @@
 real daemon run as root with clients run as two other uids (VICTIM and MALLORY): a long
 prompt, a newcomer against a user with history, cell churn in an exact pool, pools that
 grow and shrink, and bookings inflated by others (the scheduler-thread stall and the
-prompt rows shared across users: tests/test_conductor_fair.py, in process). Each test
+prompt rows shared across users: tests/conductor/test_conductor_fair.py, in process). Each test
 asserts what only the fair behaviour gives (who finishes first, how many rows a step
 took, what was rebuilt), never a timing threshold."""
 from __future__ import annotations
@@ -93,7 +93,7 @@ def test_a_long_prompt_goes_in_beside_another_users_decodes(daemon):
     one token) is under way; the victim's 8-token DECODE, sent after it, ends long before
     it. Charged per DECODE rather than per row, the victim would be the one ahead and sit
     out Mallory's whole prompt. (Cost by rows, or the step budget alone, each keep it so:
-    tests/test_conductor_fair.py guards each of them apart.)"""
+    tests/conductor/test_conductor_fair.py guards each of them apart.)"""
     ok(as_user(VICTIM, daemon, "REGISTER v smollm2-135m n_ctx=512", "DECODE v 300 Count: 1, 2, 3,",
                "RESET v")[2])
     ok(as_user(MALLORY, daemon, "REGISTER m smollm2-135m n_ctx=4096")[0])

@@ -1,7 +1,7 @@
 """Fan-out fidelity: every forked branch says what a plain run says.
 
 Copy mode must be bit-identical to a plain run (same chunks, fresh context). Shared mode
-batches branches together: in exact mode it is bit-identical too (tests/test_exact.py
+batches branches together: in exact mode it is bit-identical too (tests/binding/test_exact.py
 asserts every logit of every token; here: against an unchunked loop); in the fast default
 it may round differently, which we report, requiring only the first token everywhere (it
 is sampled before any branch decodes beside another).

@@ -113,7 +113,7 @@ def test_grammar_bench_smoke(tmp_path):
 def test_cluster_bench_smoke(tmp_path):
     """The fan-out scenario on a tiny configuration (two simulated clusters), JSON written.
     Its serve scenario (a cluster and two servers, 2 minutes here) is left to
-    tests/test_cluster.py, which routes the same server by prefix: CI's time is short."""
+    tests/serve/test_cluster.py, which routes the same server by prefix: CI's time is short."""
     pytest.importorskip("ray.serve", reason="Ray Serve is not installed (the distributed extra)")
     proc = subprocess.run([sys.executable, "-m", "swarmkv_ffi.cli", "bench", "cluster", "--scenarios", "fanout",
                            "--doc-tokens", "300", "--gen", "2", "--branches", "2", "--actors", "2",

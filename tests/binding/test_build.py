@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from corpus import ROOT
 from swarmkv_ffi import Model, cpu, errors, library, tiny_gguf
 
-ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "tools" / "smoke_check.sh"
 AMX_MNEMONICS = ("tileloadd", "tdpbusd", "tdpbssd", "tdpbf16ps", "ldtilecfg")
 

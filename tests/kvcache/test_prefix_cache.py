@@ -14,9 +14,10 @@ import pytest
 from commands import swarmkv as run_swarmkv
 
 from corpus import LICENCE
+from fakes import fake_snapshot
 from swarmkv_ffi.fanout import BranchSpec, run_fanout
 from swarmkv_ffi.kvcache.files import TAIL, CacheFolderError, PrefixCache
-from swarmkv_ffi.snapshot import Snapshot, SnapshotHeader, checksum, tokens_hash
+from swarmkv_ffi.snapshot import SnapshotHeader, checksum
 
 DOC = LICENCE[:2400]
 QUESTIONS = [BranchSpec("Can I sell copies?", max_tokens=8), BranchSpec("What is a Contribution?", max_tokens=8)]
@@ -82,15 +83,6 @@ def test_a_corrupt_entry_is_dropped_and_recomputed(smol, tmp_path, damage, caplo
     assert "dropping bad entry" in caplog.text
     third = run_fanout(smol, DOC[:1200], QUESTIONS[:1], n_batch=128, cache=cache)
     assert third.prefill_skipped                               # recomputed and stored again
-
-
-def fake_snapshot(n: int, nbytes: int, seed: int) -> Snapshot:
-    tokens = list(range(seed, seed + n))
-    data = np.full(nbytes, seed % 251, dtype=np.uint8)
-    header = SnapshotHeader(model_fingerprint="f" * 32, model_name="fake.gguf", llama_cpp_commit="x",
-                            context={}, n_tokens=n, tokens_hash=tokens_hash(tokens), tokens=tokens,
-                            payload_nbytes=nbytes, checksum=checksum(data))
-    return Snapshot(header, data)
 
 
 def test_lru_eviction_holds_the_size_limit(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from corpus import APACHE
 from serve_process import Serve
 from swarmkv_ffi.bench.servers import by_label
 from swarmkv_ffi.serve.settings import Settings
@@ -18,7 +19,6 @@ from swarmkv_ffi.serve.settings import Settings
 pytestmark = pytest.mark.slow
 
 SMOL, GEMMA = "smollm2-135m", "gemma3-270m"
-APACHE = (Path(__file__).parent.parent / "examples" / "apache-2.0.txt").read_text()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ are zeros, so its logits are the Q4_1 output matrix times the normalised embeddi
 NumPy computes the same product exactly from the dequantized weights. Both kernels quantize
 the activations to 8 bits the same way, which dominates their error; ours must be as close
 to the exact product as ggml's and within rounding of ggml's answer. Exact mode runs the gemv
-for every row and stays bit-identical whatever the batch (tests/test_exact.py, default model).
+for every row and stays bit-identical whatever the batch (tests/binding/test_exact.py, default model).
 """
 from __future__ import annotations
 

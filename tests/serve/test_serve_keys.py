@@ -16,12 +16,12 @@ from pathlib import Path
 import openai
 import pytest
 
+from corpus import APACHE
 from serve_process import MODEL, Serve, scrape
 
 pytestmark = pytest.mark.slow
 
 KEY_A, KEY_B = "key-a-0123456789", "key-b-0123456789"
-APACHE = (Path(__file__).parent.parent / "examples" / "apache-2.0.txt").read_text()
 
 
 def two_keys(folder: Path) -> Path:

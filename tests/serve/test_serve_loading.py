@@ -16,6 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from corpus import APACHE
 from serve_process import Serve
 from swarmkv_ffi import catalog
 from swarmkv_ffi.serve import lineup
@@ -26,7 +27,6 @@ pytestmark = pytest.mark.slow
 
 ONE_MODEL_BUDGET = str(1000 << 20)
 POOL = ("--ctx-size", "2048", "--parallel", "8", "--host-cache-mib", "0")
-APACHE = (Path(__file__).parent.parent / "examples" / "apache-2.0.txt").read_text()
 
 
 @pytest.fixture(scope="module")

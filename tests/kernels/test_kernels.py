@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from corpus import ROOT
 # bench/gpu_check.sh sets SWARMKV_TEST_GPU=1 to run these same tests on a real GPU.
 ON_GPU = os.environ.get("SWARMKV_TEST_GPU") == "1"
 SIM = dict(os.environ) if ON_GPU else {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
@@ -88,7 +89,7 @@ def cuda_device_present(env) -> bool:
     return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, timeout=120).returncode == 0
 
 
-GPU_CHECK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "gpu_check.sh")
+GPU_CHECK = str(ROOT / "bench" / "gpu_check.sh")
 
 
 @pytest.mark.skipif(ON_GPU, reason="bench/gpu_check.sh runs this file on the GPU; it must not run itself")

@@ -6,16 +6,15 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
+from corpus import APACHE
 from serve_process import MODEL, Serve, scrape
 
 pytestmark = pytest.mark.slow
 
 KEY_A, KEY_B, OPERATOR = "key-a-0123456789", "key-b-0123456789", "metrics-0123456789"
-APACHE = (Path(__file__).parent.parent / "examples" / "apache-2.0.txt").read_text()
 
 
 @pytest.fixture(scope="module")

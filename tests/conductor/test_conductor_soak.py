@@ -4,7 +4,7 @@ must never pass its cap and must end at exactly 0, and every reply must be well 
 
 Slow (minutes on two cores), so it runs only when asked:
 
-    SWARMKV_SOAK=1 .venv/bin/python -m pytest -q tests/test_conductor_soak.py -s
+    SWARMKV_SOAK=1 .venv/bin/python -m pytest -q tests/conductor/test_conductor_soak.py -s
 
 It prints its figures and writes them to $SWARMKV_SOAK_OUT (default: soak.json in the
 test's temporary folder).

@@ -101,7 +101,7 @@ def served(three_nodes, tmp_path_factory):
 
 
 def over(name: str) -> str:
-    from test_serve import APACHE
+    from corpus import APACHE
     return f"Document {name}.\n" + APACHE[:2400]
 
 

@@ -6,7 +6,6 @@ required as on every route, and CORS only for the origins --cors-origins names."
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import requests

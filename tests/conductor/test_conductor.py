@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from corpus import ROOT
 from lmxd_daemon import SYSTEM_PYTHON, Daemon, become, wait_decoding
 from swarmkv_ffi.lmxd import protocol
 from swarmkv_ffi.lmxd.client import LmxError
@@ -326,7 +327,7 @@ def test_swap_after_end_of_generation(daemon, agents):
 
 def test_the_protocol_reference_lists_every_verb_and_error_code_the_daemon_has():
     """docs/lmxd.md's tables are what HELP says (a code added to one is added to both)."""
-    doc = (Path(__file__).parents[1] / "docs" / "lmxd.md").read_text()
+    doc = (ROOT / "docs" / "lmxd.md").read_text()
     verbs = {line.split()[0] for line in protocol.HELP if line[:1].isupper() and " " in line}
     verbs &= {"HELP", "STATUS", "LIST", "REGISTER", "UNREGISTER", "DECODE", "RESET"}
     assert len(verbs) == 7
