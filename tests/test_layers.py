@@ -26,7 +26,8 @@ LAYERS: list[list[str]] = [
      "kvcache.device"],  # the cache's words
     ["catalog", "snapshot", "kvcache.files", "generate", "probe", "grammar"],   # models, KV state, one answer
     ["fanout", "fanout.*", "distributed"],                              # the fan-out, and on Ray
-    ["admission", "admission.*"],                                       # who fits: ledger, memory, quotas
+    ["admission", "admission.keys"],                                    # who fits: the ledgers' typed keys
+    ["admission.*"],                                                    # ... ledger, memory, quotas
     ["kvcache.host", "kvcache.disk"],                                   # the tiers below the cells
     ["conductor.policy", "conductor.common_prompts", "conductor.modelfile", "conductor.registry", "conductor.estimate",
      "conductor.sandbox"],                                                # the conductor's parts

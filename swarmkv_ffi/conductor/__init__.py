@@ -34,6 +34,7 @@ request_cells.py: kept cells matched per owner; the tiers below in ../kvcache/) 
 eviction (request_cells.py: least recently used kept cells first; idle seats paused by
 seating._make_room); the context length (agent.check_context) for both doors.
 """
+from ..admission import keys as ledger_keys
 from ..admission.ledger import Ledger, LedgerDenied
 from ..admission.memory import DeviceMemory
 from ..admission.quotas import DEFAULT_AGENTS_PER_UID, DEFAULT_CLIENTS_PER_UID, DEFAULT_SHARE_PERCENT, Quotas
@@ -48,4 +49,4 @@ __all__ = ["Conductor", "ConductorError", "ContextFull", "DEFAULT_AGENTS_PER_UID
            "DEFAULT_CLIENTS_PER_UID", "DEFAULT_SHARE_PERCENT", "DeviceMemory", "Ledger",
            "LedgerDenied", "MAX_PREFIX_BYTES", "MAX_SEQS", "ModelSource", "NoRoom", "Policy",
            "Quotas", "Request", "RequestPool", "RequestResult", "STEP_RATIO", "Stopping", "check_models_dir",
-           "facts_of", "load_table", "named_source", "of_facts", "on_pseudo_fs", "vetted"]
+           "facts_of", "ledger_keys", "load_table", "named_source", "of_facts", "on_pseudo_fs", "vetted"]

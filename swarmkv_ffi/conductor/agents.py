@@ -23,6 +23,7 @@ import os
 import threading
 import time
 
+from ..admission import keys
 from ..admission.ledger import Ledger
 from ..admission.quotas import UNLIMITED, Quotas
 from ..errors import ModelLoadError
@@ -119,7 +120,7 @@ class Conductor(Booking, Swap, OwnContexts):
                 est = self._estimate(source.name, mf, fd, n_ctx, facts)
                 pool = key_for(mf.key, exact, with_prefix, kind)
                 with self.registry.gate(mf.key):
-                    loaded, measured = self._admit(f"{owner}:{agent_id}", owner, mf, fd, est, n_ctx, sent, pool)
+                    loaded, measured = self._admit(agent_id, owner, mf, fd, est, n_ctx, sent, pool)
         except ModelLoadError as exc:
             raise ConductorError("MODEL_LOAD_FAILED", str(exc)) from None
         agent = Agent(agent_id, source.name, mf.path, n_ctx, loaded, est, mf, owner=owner,
@@ -151,7 +152,7 @@ class Conductor(Booking, Swap, OwnContexts):
             if last:
                 del self.prefixes[shared.key]
         if last:
-            self.swap.release(f"prefix:{shared.key}")
+            self.swap.release(keys.prefix(shared.owner, shared.key))
             for pool in self.scheduler.pools.values():
                 pool.drop_document(shared.key, shared.owner)
 

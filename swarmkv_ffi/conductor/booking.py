@@ -8,6 +8,8 @@ registry, agents, quotas).
 """
 from __future__ import annotations
 
+from ..admission import keys
+from ..admission.keys import Key
 from ..admission.ledger import Ledger, LedgerDenied
 from ..context import Context
 from .estimate import Estimate, estimate
@@ -21,17 +23,18 @@ def _mode(pool: PoolKey) -> str:
     return "exact" if pool.exact else "fast"
 
 
-def compute_key_of(pool: PoolKey) -> str:
+def compute_key_of(pool: PoolKey) -> Key:
     """The ledger key of a pool's compute buffer: shared (no user is charged it), but a
     user's own context's, charged to that user."""
     if pool.alone:
-        return f"alone:{pool.alone}:{pool.model}:{_mode(pool)}:compute"
-    return f"compute:{pool.model}:{_mode(pool)}:{'requests' if pool.requests else 'agents'}"
+        return Key("compute", int(pool.alone), f"{pool.model}:{_mode(pool)}:alone")
+    return Key("compute", None, f"{pool.model}:{_mode(pool)}:{'requests' if pool.requests else 'agents'}")
 
 
-def excess_key_of(pool: PoolKey) -> str:
-    """The ledger key of a pool's cells beyond its agents' bookings (Conductor.book_excess)."""
-    return f"excess:{pool.model}:{_mode(pool)}:{pool.alone or 'shared'}"
+def excess_key_of(pool: PoolKey) -> Key:
+    """The ledger key of a pool's cells beyond its agents' bookings (Conductor.book_excess):
+    shared, as the pool is."""
+    return Key("excess", None, f"{pool.model}:{_mode(pool)}:{pool.alone or 'shared'}")
 
 
 class Booking:
@@ -49,14 +52,15 @@ class Booking:
             keys.add(also)
         return sum(e.measured_bytes for k in keys if (e := self.registry.loaded(k)) is not None)
 
-    def _admit(self, ref: str, owner: int, mf: ModelFile, fd: int, est: Estimate,
+    def _admit(self, agent_id: str, owner: int, mf: ModelFile, fd: int, est: Estimate,
                n_ctx: int, sent: int, pool: PoolKey) -> tuple[Loaded, int]:
         """reserve → load → measure → book what was measured, all within the budget and
         the owner's share; any failure undoes every step. The caller holds the model's
         gate, so whether its weights (and the compute buffer of the pool it decodes in,
         `pool`) are already booked cannot change under us. fd: what libllama loads; sent:
         the file as opened (checked unchanged)."""
-        model_key, agent_key, compute_key = f"model:{mf.key}", f"agent:{ref}", compute_key_of(pool)
+        ref = f"{owner}:{agent_id}"              # the agent's reference to the model (registry.py)
+        model_key, agent_key, compute_key = keys.model(mf.key), keys.agent(owner, agent_id), compute_key_of(pool)
         shared = self.registry.loaded(mf.key) is not None
         cap = self._cap(self.ledger, self.quotas.ledger_share, owner)
         # This agent's KV + compute, plus the weights unless another agent holds them. A
@@ -132,7 +136,7 @@ class Booking:
         the model, after its pools (forget=False: they are gone already). On the caller's
         thread, never the scheduler's: the model's gate may be held for seconds by a
         REGISTER measuring a context, and no user's DECODE may wait for that."""
-        self.ledger.release(f"agent:{agent.key}")
+        self.ledger.release(keys.agent(agent.owner, agent.id))
         with self.registry.gate(agent.file.key):
             pool = agent.booked_pool
             if pool is not None:
@@ -142,7 +146,7 @@ class Booking:
                     self.ledger.release(compute_key_of(pool))
             last = self.registry.release(agent.file.key, agent.key)
             if last is not None:
-                self.ledger.release(f"model:{agent.file.key}")
+                self.ledger.release(keys.model(agent.file.key))
         if last is not None:
             if forget:
                 self.scheduler.call(lambda: self.scheduler.forget_model(last))

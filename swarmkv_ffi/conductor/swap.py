@@ -7,6 +7,7 @@ scheduler).
 """
 from __future__ import annotations
 
+from ..admission import keys
 from ..admission.ledger import LedgerDenied
 from ..context import Context
 from ..kvcache.thresholds import REPLAY_MAX
@@ -26,7 +27,7 @@ class Swap:
         should the pool lose it (a full swap share slows its owner, never refuses it)."""
         p = agent.prefix
         try:
-            self.swap.reserve(f"prefix:{p.key}", snap.nbytes,
+            self.swap.reserve(keys.prefix(agent.owner, p.key), snap.nbytes,
                               cap=self._cap(self.swap, self.quotas.swap_share, agent.owner))
         except LedgerDenied:
             return
@@ -40,7 +41,7 @@ class Swap:
         refuses anyone's DECODE (one user's hoard cannot block another's)."""
         complete = seat.kv_len == len(agent.history)
         if agent.history and complete and not self._replayable(agent):
-            key = f"swap:{agent.key}"
+            key = keys.swap(agent.owner, agent.id)
             try:
                 self.swap.reserve(key, max(1, ctx.seq_state_size(seat.seq)),
                                   cap=self._cap(self.swap, self.quotas.swap_share, agent.owner))
@@ -63,7 +64,7 @@ class Swap:
 
     def _drop_saved(self, agent: Agent) -> None:
         agent.saved = None
-        self.swap.release(f"swap:{agent.key}")
+        self.swap.release(keys.swap(agent.owner, agent.id))
 
     def rewind_paused(self, agent: Agent) -> None:
         """A DECODE was undone while its agent was paused: a snapshot taken mid-DECODE

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from ..errors import SwarmKVError, describe
 from ..snapshot import Snapshot, tokens_hash
+from ..admission import keys
 from ..admission.ledger import Ledger, LedgerDenied
 from .costs import Costs
 from .prefix import longest_common_prefix
@@ -42,8 +43,8 @@ class HostEntry:
     last_used: float = field(default_factory=time.monotonic)
 
     @property
-    def key(self) -> str:
-        return f"tier:{self.owner}:{tokens_hash(self.tokens)}"
+    def key(self) -> keys.Key:
+        return keys.tier(self.owner, tokens_hash(self.tokens))
 
 
 class HostTier:

@@ -34,7 +34,7 @@ from typing import Protocol
 from ..errors import SwarmKVError, describe
 from ..conductor import (DEFAULT_AGENTS_PER_UID, DEFAULT_CLIENTS_PER_UID, DEFAULT_SHARE_PERCENT, STEP_RATIO,
                          Conductor, ConductorError, DeviceMemory, Ledger, LedgerDenied, Policy, Quotas,
-                         check_models_dir, load_table)
+                         check_models_dir, ledger_keys, load_table)
 from . import protocol
 from .access import Access
 from .lines import IdleTimeout, LineReader, LineTooLong, close_all
@@ -358,7 +358,7 @@ class Server:
         return protocol.ok("REGISTER", [
             protocol.kv(estimate_bytes=e.total, weights_bytes=e.weights, kv_bytes=e.kv,
                         compute_bytes=e.compute, estimate_source=e.source),
-            protocol.kv(reserved_bytes=c.ledger.held(f"agent:{agent.key}"),
+            protocol.kv(reserved_bytes=c.ledger.held(ledger_keys.agent(agent.owner, agent.id)),
                         measured_context_bytes=agent.measured_bytes,
                         model_refcount=len(mine), shared_weights=len(mine) > 1),
             protocol.kv(ledger_max_bytes=c.ledger.limit(), ledger_allocated_bytes=c.ledger.allocated),
@@ -419,7 +419,7 @@ class Server:
 
     def _list(self, uid: int) -> str:
         c, every = self.conductor, self._sees_all(uid)
-        lines = [protocol.kv(agent_id=a.id, model=a.model_name, reserved_bytes=c.ledger.held(f"agent:{a.key}"),
+        lines = [protocol.kv(agent_id=a.id, model=a.model_name, reserved_bytes=c.ledger.held(ledger_keys.agent(a.owner, a.id)),
                              state=a.state, kv_host_bytes=a.saved.nbytes if a.saved else 0,
                              tokens=a.tokens_in_context, n_ctx=a.n_ctx,
                              prefix=a.prefix.key if a.prefix else None,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from ..conductor import Conductor, ContextFull, RequestPool, vetted
+from ..conductor import Conductor, ContextFull, RequestPool, ledger_keys, vetted
 from ..kvcache.host import HostTier
 from ..kvcache.tier import PrefixTier
 from . import sizing, templates
@@ -95,7 +95,7 @@ class HostedModel:
         with self._embedder_lock:
             if self._embedder is None:
                 conductor = self.pool.conductor
-                self._embedder = Embedder(self.model, conductor.ledger, f"model:embeddings:{self.name}",
+                self._embedder = Embedder(self.model, conductor.ledger, ledger_keys.embeddings(self.name),
                                           conductor.n_threads)
             return self._embedder
 

@@ -397,14 +397,18 @@ def test_concurrent_first_use_assembles_a_model_once_and_never_half(tmp_path):
 
 
 def test_every_booking_is_checked_against_the_cap():
+    from swarmkv_ffi.admission import keys
     from swarmkv_ffi.admission.ledger import Ledger, LedgerDenied
     ledger = Ledger(lambda: 1000)
-    ledger.reserve("agent:a", 600)
+    agent, weights = keys.agent(1000, "a"), keys.model("m")
+    ledger.reserve(agent, 600)
     with pytest.raises(LedgerDenied) as info:
-        ledger.settle({"agent:a": 300, "model:m": 800})   # weights measured larger than estimated
+        ledger.settle({agent: 300, weights: 800})   # weights measured larger than estimated
     assert info.value.request == 500 and ledger.allocated == 600   # nothing changed
-    ledger.settle({"agent:a": 300, "model:m": 700})
+    ledger.settle({agent: 300, weights: 700})
     assert ledger.allocated == 1000
+    with pytest.raises(TypeError):
+        ledger.reserve("agent:1000:b", 1)           # a key is typed: nothing parses a string back
 
 
 def test_memory_says_why_it_budgets_host_ram_and_when_a_refresh_fails(monkeypatch, caplog):

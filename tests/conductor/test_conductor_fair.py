@@ -10,6 +10,7 @@ import pytest
 from lmxd_daemon import queued, scheduler_held
 from row_clock import RowClock
 from swarmkv_ffi.conductor.agents import Conductor
+from swarmkv_ffi.admission import keys as ledger_keys
 from swarmkv_ffi.admission.ledger import Ledger
 from swarmkv_ffi.context import Context
 
@@ -116,7 +117,7 @@ def test_unregister_never_stalls_the_scheduler_on_a_models_gate(conductor):
     t.join(60)
     assert left.is_set()
     assert [a.id for a in c.owned_by(None)] == ["victim"]
-    assert c.ledger.held("agent:1000:leaving") == 0
+    assert c.ledger.held(ledger_keys.agent(1000, "leaving")) == 0
 
 
 def test_an_exact_pool_keeps_left_cells_in_its_tomb_and_is_not_rebuilt(conductor):

@@ -210,14 +210,15 @@ def test_each_pool_of_a_model_books_its_own_compute_buffer_once(conductor):
     conductor.register("one", MODEL, n_ctx=512)
     conductor.register("two", MODEL, n_ctx=512)
     held = dict(ledger._held)
-    computes = {k: v for k, v in held.items() if k.startswith("compute:")}
-    assert sorted(k.rsplit(":", 1)[1] for k in computes) == ["agents", "requests"]
-    weights = [v for k, v in held.items() if k.startswith("model:")]
+    computes = {k: v for k, v in held.items() if k.kind == "compute"}
+    assert sorted(k.name.rsplit(":", 1)[1] for k in computes) == ["agents", "requests"]
+    assert all(k.owner is None for k in computes)                 # shared: nobody's share counts them
+    weights = [v for k, v in held.items() if k.kind == "model"]
     assert len(weights) == 1 and weights[0] == pool.reservation.loaded.measured_bytes
     assert len(set(computes.values())) == 1 and ledger.allocated == sum(held.values())
     conductor.unregister("one")
-    assert sum(k.startswith("compute:") for k in ledger._held) == 2
+    assert sum(k.kind == "compute" for k in ledger._held) == 2
     conductor.unregister("two")
-    assert [k.rsplit(":", 1)[1] for k in ledger._held if k.startswith("compute:")] == ["requests"]
+    assert [k.name.rsplit(":", 1)[1] for k in ledger._held if k.kind == "compute"] == ["requests"]
     pool.close()
     assert ledger.allocated == 0
