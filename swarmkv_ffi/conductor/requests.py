@@ -97,7 +97,7 @@ class RequestPool:
         self.reservation = conductor.register(f"#requests-{next(_pool_ids)}", model, n_ctx=cells,
                                               kind=Kind.RESERVATION, exact=exact)
         self.key = conductor.add_request_pool(self.reservation, Fixed(cells, seqs, share, store))
-        self.cells = cells
+        self.cells, self.seqs = cells, seqs
         self._ids = itertools.count(1)
 
     @property

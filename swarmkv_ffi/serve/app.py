@@ -46,6 +46,9 @@ def create_app(engine: ServeEngine, keys: Keys, settings: Settings) -> FastAPI:
         app.add_api_route(path, routes.native_completion, methods=["POST"])
     app.add_api_route("/tokenize", routes.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", routes.detokenize, methods=["POST"])
+    app.add_api_route("/props", routes.props, methods=["GET"])
+    app.add_api_route("/props", routes.not_supported, methods=["POST"])
+    app.add_api_route("/slots", routes.not_supported, methods=["GET"])
     allow_origins(app, settings.cors_origins)
     return app
 

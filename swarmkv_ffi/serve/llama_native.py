@@ -4,6 +4,9 @@ keys and limits as the OpenAI routes:
     POST /completion, /completions   llama-server's native completion, whole or streamed
     POST /tokenize                   {"tokens": [...]}, with pieces when asked
     POST /detokenize                 {"content": "..."}
+    GET  /props                      the model's settings, as llama-server reports them (props())
+    GET  /slots, POST /props         501: there are no slots to list, and settings do not change
+                                     over HTTP (a slot's prompt would show one key another's)
 
 A native completion body is read into a text completion (schemas.CompletionRequest: one
 set of checks and one call path) with llama-server's defaults (temperature 0.8, top_k 40,
@@ -27,6 +30,12 @@ from .calls import Call, Choice
 from .errors import Refused, error_body, validated
 from .responses import sse
 from .schemas import MAX_LOGIT_BIAS, CompletionRequest
+
+#: llama.cpp's LLAMA_DEFAULT_SEED: what its /props reports for a random seed.
+RANDOM_SEED = 0xFFFFFFFF
+#: llama-server's generation settings a native completion takes when its body names none.
+DEFAULT_PARAMS = ("n_predict", "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty",
+                  "frequency_penalty", "stop", "seed")
 
 #: llama-server's fields that change nothing on this engine, accepted as it accepts them.
 IGNORED = {
@@ -251,3 +260,26 @@ def _piece(raw: bytes) -> str | list[int]:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         return list(raw)
+
+
+def props(name: str, hosted, build: str) -> dict:
+    """llama-server's GET /props for the served model `name` (tools/server's get_res_props):
+    what a client reads before it sends anything. n_ctx is the most one request may take
+    (prompt and output: the pool's cells, capped by the training context), as llama-server
+    reports it with --kv-unified; total_slots the sequences its pool holds at once. The
+    model's file is named, never its folder (a key sees no more of the server's disk)."""
+    model = hosted.model
+    defaults = NativeCompletion(prompt="")
+    params = {k: getattr(defaults, k) for k in DEFAULT_PARAMS}
+    params["seed"] = RANDOM_SEED if defaults.seed == -1 else defaults.seed
+    return {"default_generation_settings": {"n_ctx": hosted.max_context, "params": params},
+            "total_slots": hosted.pool.seqs, "model_alias": name, "model_path": hosted.pool.path.name,
+            "modalities": {"vision": False, "video": False, "audio": False},
+            "endpoint_slots": False, "endpoint_props": False, "endpoint_metrics": True,
+            "chat_template": hosted.chat_template or model.meta("tokenizer.chat_template") or "",
+            "bos_token": _special_text(model, model.bos), "eos_token": _special_text(model, model.eos),
+            "build_info": build, "is_sleeping": False}
+
+
+def _special_text(model, token: int) -> str:
+    return model.token_bytes(token, special=True).decode("utf-8", "replace") if token >= 0 else ""

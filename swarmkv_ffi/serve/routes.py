@@ -28,7 +28,7 @@ from .keys import OPEN, Gates, Keys, bearer, presented
 from .metrics import CONTENT_TYPE as METRICS_TYPE
 from .metrics import render as metrics_text
 from .openai_responses import ResponsesRequest
-from .responses import ChatShape, CompletionShape, Events
+from .responses import ChatShape, CompletionShape, Events, fingerprint
 from .schemas import ChatRequest, CompletionRequest, ModelCard, ModelList, ModelStatus, bad_text
 from .settings import Settings
 from .stored import StoredResponses
@@ -313,6 +313,29 @@ async def detokenize(request: Request):
         check_vocabulary(hosted.model.n_vocab, {"tokens": body.tokens})
         return {"content": hosted.model.detokenize(body.tokens)}
     return await with_model(request, llama_native.DetokenizeRequest, text)
+
+
+async def props(request: Request):
+    """llama-server's GET /props: the settings of the model `?model=` names (or the one
+    served), held loaded while they are read, as any request of the key's would."""
+    who = owner_of(request)
+    s = served(request)
+    name = s.engine.resolve(request.query_params.get("model"))
+    use = await s.engine.use(who, name, None)
+    try:
+        return llama_native.props(name, use.hosted, fingerprint())
+    finally:
+        use.release()
+
+
+async def not_supported(request: Request):
+    """llama-server's GET /slots and POST /props: refused as llama-server refuses them
+    when they are off. Requests share one pool here, not slots, and a slot's listing would
+    show one key the prompts of another."""
+    owner_of(request)
+    raise Refused(501, f"{request.method} {request.url.path} is not supported by this server: requests share one "
+                  "pool (no slots to list), and its settings do not change over HTTP", "not_supported",
+                  details={"type": "not_supported_error"})
 
 
 def counted(hosted: HostedModel, body: ChatRequest, settings: Settings) -> int:

@@ -207,3 +207,36 @@ def test_n_probs_whole_and_one_token_per_streamed_event(server, smol):
     streamed = events(post(server, "/completion", {**asked, "stream": True}, stream=True))
     per_event = [e["completion_probabilities"] for e in streamed if not e["stop"]]
     assert all(len(p) == 1 for p in per_event) and [p[0] for p in per_event] == probs
+
+
+def get(server, path: str, key: str | None = KEY):
+    return requests.get(server.url + path, timeout=120, headers={"Authorization": f"Bearer {key}"} if key else {})
+
+
+def test_props_report_the_models_settings_as_llama_server_does(server, smol):
+    """What llama-server's clients read first: the context one request may take, the
+    slots, the template, the default sampling (seed random); the file named, not its folder."""
+    props = get(server, "/props")
+    assert props.status_code == 200
+    body = props.json()
+    assert body["total_slots"] == 4 and body["default_generation_settings"]["n_ctx"] == 2047
+    assert body["model_path"].endswith(".gguf") and "/" not in body["model_path"]
+    assert body["chat_template"] == smol.meta("tokenizer.chat_template") and "im_start" in body["chat_template"]
+    assert body["eos_token"] == smol.token_bytes(smol.eos, special=True).decode()
+    params = body["default_generation_settings"]["params"]
+    assert params["seed"] == 4294967295 and params["temperature"] == 0.8 and params["n_predict"] == -1
+    assert body["modalities"] == {"vision": False, "video": False, "audio": False}
+    named = get(server, f"/props?model={body['model_alias']}").json()
+    assert named == body
+
+
+@pytest.mark.parametrize("method,path", [("GET", "/slots"), ("POST", "/props")])
+def test_slots_and_setting_props_are_refused_as_not_supported(server, method, path):
+    reply = requests.request(method, server.url + path, json={}, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
+    assert reply.status_code == 501 and reply.json()["error"]["type"] == "not_supported_error"
+    assert "pool" in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("method,path", [("GET", "/props"), ("GET", "/slots")])
+def test_props_and_slots_need_the_key(server, method, path):
+    assert requests.request(method, server.url + path, timeout=60).status_code == 401
