@@ -25,7 +25,7 @@ from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from . import telemetry
+from . import telemetry, templates
 from .calls import Call, Choice
 from .errors import Refused, error_body, validated
 from .responses import sse
@@ -276,10 +276,8 @@ def props(name: str, hosted, build: str) -> dict:
             "total_slots": hosted.pool.seqs, "model_alias": name, "model_path": hosted.pool.path.name,
             "modalities": {"vision": False, "video": False, "audio": False},
             "endpoint_slots": False, "endpoint_props": False, "endpoint_metrics": True,
-            "chat_template": hosted.chat_template or model.meta("tokenizer.chat_template") or "",
-            "bos_token": _special_text(model, model.bos), "eos_token": _special_text(model, model.eos),
+            "chat_template": templates.source_of(model, hosted.chat_template) or "",
+            "bos_token": templates.special_text(model, model.bos),
+            "eos_token": templates.special_text(model, model.eos),
             "build_info": build, "is_sleeping": False}
 
-
-def _special_text(model, token: int) -> str:
-    return model.token_bytes(token, special=True).decode("utf-8", "replace") if token >= 0 else ""

@@ -158,7 +158,7 @@ def render(model, messages: list[dict], tools: list[dict] | None = None, mark=No
     """The prompt for `messages` (OpenAI's dicts), ending with the assistant's opener;
     mark(text), if given, wraps each message's text (tokens()); `template`: a template's
     source instead of the model's own (--chat-template-file)."""
-    source = template or model.meta("tokenizer.chat_template")
+    source = source_of(model, template)
     template = _compiled(source) if source else None
     if template is None or not knows_tools(source):
         messages = plain_messages(messages)
@@ -168,8 +168,8 @@ def render(model, messages: list[dict], tools: list[dict] | None = None, mark=No
         return model.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages])
     try:
         return template.render(messages=messages, tools=tools if knows_tools(source) else None,
-                               add_generation_prompt=True, bos_token=_special(model, model.bos),
-                               eos_token=_special(model, model.eos))
+                               add_generation_prompt=True, bos_token=special_text(model, model.bos),
+                               eos_token=special_text(model, model.eos))
     except TemplateError:
         raise
     except Exception as exc:       # whatever the template's own code trips on
@@ -181,8 +181,13 @@ def knows_tools(source: str | None) -> bool:
     return bool(source) and "tool_calls" in source
 
 
+def source_of(model, template: str | None = None) -> str | None:
+    """The template a chat renders with: `template` (--chat-template-file's), else the GGUF's."""
+    return template or model.meta("tokenizer.chat_template")
+
+
 def model_knows_tools(model, template: str | None = None) -> bool:
-    return knows_tools(template or model.meta("tokenizer.chat_template"))
+    return knows_tools(source_of(model, template))
 
 
 def read_file(path) -> str:
@@ -235,7 +240,8 @@ def _arguments(text: str):
         return text
 
 
-def _special(model, token: int) -> str:
+def special_text(model, token: int) -> str:
+    """A special token's text (BOS, EOS), or "" when the model has none."""
     return model.token_bytes(token, special=True).decode("utf-8", "replace") if token >= 0 else ""
 
 
