@@ -26,7 +26,7 @@ from .text import TextStream
 class Choice:
     """One choice as it is produced: its text so far, logprobs, how it ended."""
 
-    def __init__(self, index: int, stream: TextStream, model=None):
+    def __init__(self, index: int, stream: TextStream, model):
         self.index, self.text, self.model = index, stream, model
         self.ranked: list[tuple[int, tuple]] = []   # (token, (logprob, [(id, logprob), ...])), as sampled
         self._entries: list[TokenLogprob] = []      # ranked, formatted so far
@@ -41,11 +41,12 @@ class Choice:
     def logprobs(self) -> list[TokenLogprob]:
         """Each token's logprobs entry (OpenAI's shape), formatted by whoever reads them
         (the event loop, a request's thread), never on the scheduler's thread that ranked
-        them: there the callback only checks for a stop string."""
+        them: there the callback only checks for a stop string. The list only grows: a
+        stream slices what it has not sent yet, with no copy of the rest per chunk."""
         with self._formatting:
             for token, ranked in self.ranked[len(self._entries):]:
                 self._entries.append(logprob_entry(self.model, token, ranked))
-            return list(self._entries)
+            return self._entries
 
     def finish_reason(self, reply=None) -> str:
         if reply is not None and reply.tool_calls:
