@@ -38,8 +38,10 @@ class StepPlan:
     by_owner: dict[int, int] = field(default_factory=dict)   # batch rows each user put in
     decode_rows: int = 0                                     # rows of runs decoding one token
 
-    def add(self, row: Row, owner: int, n_rows: int) -> None:
-        self.rows.append(row)
+    def add(self, rows: list[Row], owner: int, n_rows: int) -> None:
+        """`owner`'s `rows`, which took `n_rows` batch rows (fewer than their tokens when
+        runs starting together share their common ones)."""
+        self.rows += rows
         self.by_owner[owner] = self.by_owner.get(owner, 0) + n_rows
 
 
@@ -71,8 +73,7 @@ def plan(pool: Pool, batch: Batch, runs: list[Run], order: Callable, cap: Callab
             rest += [run for run, _ in group]
             continue
         found = trie.add_to(batch, group[0][1].kv_len)
-        step.rows += [Row(run, seat, len(run.feed), found[id(run)]) for run, seat in group]
-        step.by_owner[group[0][0].owner] = step.by_owner.get(group[0][0].owner, 0) + trie.size
+        step.add([Row(run, seat, len(run.feed), found[id(run)]) for run, seat in group], group[0][0].owner, trie.size)
         room -= trie.size
     for run in rest:
         room -= _add_input(pool, step, run, room)
@@ -88,7 +89,7 @@ def _add_input(pool: Pool, step: StepPlan, run: Run, room: int) -> int:
         return 0
     last = len(take) == len(wanted)
     row = step.batch.add_sequence(take, seat.kv_len, seat.seq, logits_last=last)
-    step.add(Row(run, seat, len(take), row if last else -1), run.owner, len(take))
+    step.add([Row(run, seat, len(take), row if last else -1)], run.owner, len(take))
     return len(take)
 
 
