@@ -38,7 +38,7 @@ from .policy import Policy
 from .agent import Kind, key_for, pool_key
 from .pool import Fixed, Pool, PoolKey
 from .registry import Loaded, ModelRegistry
-from .runs import Run, Stopping
+from .runs import Asked, Run, Stopping
 from .scheduler import Scheduler
 from .swap import Swap
 
@@ -243,7 +243,7 @@ class Conductor(Booking, Swap, OwnContexts):
             raise ConductorError("BAD_REQUEST", f"max_tokens must be in 1..4096, got {max_tokens}")
         agent = self._usable(agent_id, owner)   # the owner's agent, looked up now
         agent.last_used, agent.decoded = time.monotonic(), True
-        run = Run(agent, owner, prompt, max_tokens, should_stop or (lambda: False))
+        run = Run(agent, owner, Asked(prompt, max_tokens, should_stop or (lambda: False)))
         t0 = time.perf_counter_ns()
         try:
             self.scheduler.submit(run)
@@ -285,11 +285,11 @@ class Conductor(Booking, Swap, OwnContexts):
             run.prompt_tokens, run.feed = len(agent.asked), agent.asked[len(agent.history):]
             run.n_history, run.pending, run.began = len(agent.history), None, True
             return
-        new = agent.loaded.model.tokenize(run.prompt, add_special=not agent.history and agent.pending is None)
+        new = agent.loaded.model.tokenize(run.asked.prompt, add_special=not agent.history and agent.pending is None)
         tokens = ([agent.pending] if agent.pending is not None else []) + [int(t) for t in new]
         if not tokens:
             raise ConductorError("BAD_REQUEST", "the prompt is empty")
-        check_context(agent.n_ctx, len(agent.history), len(tokens), run.max_tokens, f"agent {agent.id}",
+        check_context(agent.n_ctx, len(agent.history), len(tokens), run.asked.max_tokens, f"agent {agent.id}",
                       "RESET it or register with a larger n_ctx")
         run.prompt_tokens, run.feed = len(new), tokens
         run.n_history, run.pending = len(agent.history), agent.pending

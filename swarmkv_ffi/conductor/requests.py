@@ -31,7 +31,7 @@ from .agent import Agent, ConductorError, ContextFull, Kind, check_context, name
 from .agents import Conductor
 from .modelfile import LoadableCopy
 from .pool import MAX_SEQS, Fixed, NoRoom
-from .runs import Run, Stopping
+from .runs import Asked, Run, Stopping
 
 #: What a caller of this door needs, all from here: the pool, its handles, the most
 #: sequences a pool takes, and the four ways a request is refused (ContextFull is a
@@ -132,9 +132,8 @@ class RequestPool:
             raise ConductorError("BAD_REQUEST", "the prompt is empty")
         self.check(len(tokens), max_tokens)
         cancelled = cancelled or threading.Event()
-        run = Run(self._agent(owner, tokens, max_tokens), owner, "", max_tokens, cancelled.is_set,
-                  sampling=dict(sampling or {}), top_logprobs=top_logprobs, on_token=on_token,
-                  grammar=grammar)
+        asked = Asked("", max_tokens, cancelled.is_set, dict(sampling or {}), top_logprobs, grammar, on_token)
+        run = Run(self._agent(owner, tokens, max_tokens), owner, asked)
         self.conductor.scheduler.enqueue(run)
         return Request(run, cancelled)
 

@@ -32,20 +32,26 @@ class Figures:
     evicted: object | None = None     # the agent paused to make room for this one
 
 
-@dataclass
-class Run:
-    """One DECODE, from its arrival to its reply: what was asked, where it stands, what it
-    gave, and its figures."""
-    # what was asked
-    agent: object
-    owner: int
-    prompt: str
+@dataclass(frozen=True)
+class Asked:
+    """What a DECODE asked for, fixed from its arrival: the scheduler reads it and never
+    changes it (where the run stands and what it gave are the Run's own fields)."""
+    prompt: str                   # an agent's new text (a request's tokens are its agent's)
     max_tokens: int
-    should_stop: Callable[[], bool]
+    should_stop: Callable[[], bool] = lambda: False
     sampling: dict = field(default_factory=dict)   # Sampler settings (temp, top_p, seed)
     top_logprobs: int | None = None   # report each token's logprob and this many alternatives
-    grammar: "str | Compiled | None" = None   # the output must follow it (grammar.py); constraint: its state
+    grammar: "str | Compiled | None" = None   # the output must follow it (grammar.py); Run.constraint: its state
     on_token: Callable | None = None  # (token, logprobs or None) after each one; False ends the run
+
+
+@dataclass
+class Run:
+    """One DECODE, from its arrival to its reply: whose it is and what it asked (`Asked`),
+    where it stands, what it gave, and its figures."""
+    agent: object
+    owner: int
+    asked: Asked
     # where it stands (the scheduler's)
     arrival: int = 0
     began: bool = False

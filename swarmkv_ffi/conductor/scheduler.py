@@ -333,7 +333,7 @@ class Scheduler(Seating, Steps):
         for run in list(self._waiting + self._batch):
             if self._closed and not run.began:
                 self._finish(run, error=Stopping())
-            elif past or run.should_stop():
+            elif past or run.asked.should_stop():
                 self._cancel(run)
 
     def _cost(self, pool: Pool) -> StepCost:

@@ -130,9 +130,9 @@ class Seating:
                 if not run.began:
                     self.host.begin(run)
                     run.figures.evicted = run.figures.evicted or self._switch_evicted
-                    run.sampler = Sampler(**run.sampling, n_vocab=run.agent.loaded.model.n_vocab)
-                    if run.grammar is not None:
-                        run.constraint = Constraint(run.agent.loaded.model, run.grammar)
+                    run.sampler = Sampler(**run.asked.sampling, n_vocab=run.agent.loaded.model.n_vocab)
+                    if run.asked.grammar is not None:
+                        run.constraint = Constraint(run.agent.loaded.model, run.asked.grammar)
             except Exception as exc:
                 self._finish(run, error=exc)
                 continue

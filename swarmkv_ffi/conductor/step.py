@@ -202,10 +202,10 @@ class Steps:
         run.generated.append(token)
         run.slice_tokens += 1
         more = True
-        if run.on_token is not None:
-            ranked = None if run.top_logprobs is None else logprobs(ctx.logits(row), token, run.top_logprobs)
-            more = run.on_token(token, ranked)
-        if not more or run.completed or len(run.generated) >= run.max_tokens:
+        if run.asked.on_token is not None:
+            ranked = None if run.asked.top_logprobs is None else logprobs(ctx.logits(row), token, run.asked.top_logprobs)
+            more = run.asked.on_token(token, ranked)
+        if not more or run.completed or len(run.generated) >= run.asked.max_tokens:
             run.agent.pending = token       # decoded with the next prompt
             self._finish(run)
         else:

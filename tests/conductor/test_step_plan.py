@@ -10,7 +10,7 @@ import pytest
 from swarmkv_ffi.batch import Batch
 from swarmkv_ffi.conductor import step
 from swarmkv_ffi.conductor.pool import Seat
-from swarmkv_ffi.conductor.runs import Run
+from swarmkv_ffi.conductor.runs import Asked, Run
 
 pytestmark = pytest.mark.unit
 
@@ -33,7 +33,7 @@ def runs_in(pool: Seats, *specs) -> list[Run]:
     for i, (owner, history, feed) in enumerate(specs):
         agent = SimpleNamespace(history=list(history), prefix=None, owner=owner)
         pool.seats[id(agent)] = Seat(seq=i, agent=agent, kv_len=len(history), cells=0)
-        out.append(Run(agent, owner, "", 16, lambda: False, arrival=i, feed=list(feed), stepped=True))
+        out.append(Run(agent, owner, Asked("", 16), arrival=i, feed=list(feed), stepped=True))
     return out
 
 
