@@ -241,22 +241,29 @@ def test_the_kind_scan_sees_a_branch(tmp_path):
     assert kind_branches(probe) == [2]
 
 
-def test_the_conductor_is_everything_the_scheduler_asks_of_its_host():
-    """scheduler.Host declares what the scheduler calls on the conductor; the Conductor
-    has each of those methods, with the same parameters, and the scheduler calls no other."""
+@pytest.mark.parametrize("protocol, modules", [
+    ("scheduler.Host", ("scheduler", "seating", "step")),
+    ("pool.PoolHost", ("pool", "request_cells")),
+])
+def test_the_conductor_is_everything_its_engine_asks_of_its_host(protocol, modules):
+    """scheduler.Host and pool.PoolHost declare what the scheduler and a pool call on the
+    conductor; the Conductor has each of those methods, with the same parameters, and
+    those modules call no other."""
+    import importlib
     import inspect
     import re
 
     from swarmkv_ffi.conductor.agents import Conductor
-    from swarmkv_ffi.conductor.scheduler import Host
 
-    declared = {n for n, f in vars(Host).items() if inspect.isfunction(f) and not n.startswith("_")}
+    module, name = protocol.split(".")
+    host = getattr(importlib.import_module(f"swarmkv_ffi.conductor.{module}"), name)
+    declared = {n for n, f in vars(host).items() if inspect.isfunction(f) and not n.startswith("_")}
     def params(fn) -> list[str]:
         return [p for p in inspect.signature(fn).parameters if p != "self"]   # (a staticmethod has none)
-    for name in declared:
-        assert params(getattr(Conductor, name)) == params(getattr(Host, name)), name
+    for method in declared:
+        assert params(getattr(Conductor, method)) == params(getattr(host, method)), method
     called = set()
-    for module in ("scheduler", "seating", "step"):
+    for module in modules:
         called |= set(re.findall(r"self\.host\.(\w+)", (ROOT / f"swarmkv_ffi/conductor/{module}.py").read_text()))
     assert called == declared
 

@@ -191,7 +191,7 @@ class Conductor(Booking, Swap, OwnContexts):
     def _leave_pools(self, agent: Agent) -> None:
         """What an agent that left the table holds in the pools: its saved KV, its share of
         a document (on the scheduler's thread, which owns the pools)."""
-        self._drop_saved(agent)
+        self.drop_saved(agent)
         self._release_prefix(agent)
 
     def expire_idle(self) -> list[str]:
@@ -303,7 +303,7 @@ class Conductor(Booking, Swap, OwnContexts):
         pool = self.scheduler.pools.get(run.pool_key)
         if pool is not None and pool.is_open:
             pool.keep(run.agent)
-        self._drop_saved(run.agent)
+        self.drop_saved(run.agent)
 
     def agents_of(self, key: PoolKey, sizing_for: set[int] | None = None) -> list[Agent]:
         """The registered agents a pool serves: one model, exact (prefix) or not. With
@@ -319,9 +319,7 @@ class Conductor(Booking, Swap, OwnContexts):
         reservation booked and keeps finished requests' cells."""
         with self._lock:
             fixed = self.request_pools.get(key) if key.requests else None
-        return Pool(key, loaded, new_context=self._new_context, pause=self._pause,
-                    keep_prefix=self._keep_prefix, drop_saved=self._drop_saved, fixed=fixed,
-                    freed=lambda k: self.ledger.release(excess_key_of(k)))
+        return Pool(key, loaded, self, fixed=fixed)
 
     # ---- request pools (requests.py) ---------------------------------------------------------
     def add_request_pool(self, reservation: Agent, fixed: Fixed) -> PoolKey:

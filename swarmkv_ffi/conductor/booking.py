@@ -112,7 +112,7 @@ class Booking:
         so its compute buffer is a pool's) and scaled to the agent's cells: a REGISTER of
         a huge n_ctx allocates nothing (the caller holds the model's gate)."""
         if loaded.context_bytes is None:
-            ctx = self._new_context(loaded, 512)
+            ctx = self.new_context(loaded, 512)
             try:
                 loaded.context_bytes = (ctx.n_ctx, *ctx.memory_bytes())
             finally:
@@ -120,7 +120,7 @@ class Booking:
         cells, kv, compute = loaded.context_bytes
         return max(1, -(-kv * n_ctx // cells)), compute
 
-    def _new_context(self, loaded: Loaded, n_ctx: int, n_seqs: int = 1, exact: bool = False) -> Context:
+    def new_context(self, loaded: Loaded, n_ctx: int, n_seqs: int = 1, exact: bool = False) -> Context:
         kw = {"n_threads": self.n_threads} if self.n_threads else {}
         # swa_full: a sliding-window model (Gemma 3) keeps every cell, so rolling a
         # conversation back after a cancel or a failure restores exactly what was there.
@@ -163,3 +163,7 @@ class Booking:
         except LedgerDenied:
             return False
         return True
+
+    def pool_freed(self, key: PoolKey) -> None:
+        """A pool's context went: the cells booked beyond its agents' go with it."""
+        self.ledger.release(excess_key_of(key))

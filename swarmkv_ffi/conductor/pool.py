@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 from ..context import Context
 from ..errors import SwarmKVError
@@ -119,20 +119,35 @@ class Entry:
     swap_s: float = 0.0
 
 
-class Pool(RequestCells):
-    """The conductor lends what touches its ledgers: new_context(loaded, n_ctx, n_seqs,
-    exact); pause(agent, ctx, seat), which keeps a leaving agent's KV in host RAM;
-    keep_prefix(agent, snapshot), the document's host copy; drop_saved(agent)."""
+class PoolHost(Protocol):
+    """What a pool asks of the conductor that lends it memory (agents.py's Conductor): every
+    byte a pool's context, a paused agent or a document's copy takes is booked there."""
 
-    def __init__(self, key: PoolKey, loaded, *, new_context: Callable, pause: Callable,
-                 keep_prefix: Callable, drop_saved: Callable, fixed: Fixed | None = None,
-                 freed: Callable = lambda key: None):
+    def new_context(self, loaded, n_ctx: int, n_seqs: int = 1, exact: bool = False) -> Context:
+        """A llama context of the pool's model: n_ctx cells for n_seqs sequences."""
+
+    def pause_seat(self, agent, ctx: Context, seat: Seat) -> None:
+        """A leaving agent's KV kept in host RAM (booked to its owner), or only its tokens."""
+
+    def keep_prefix(self, agent, snap: Snapshot) -> None:
+        """The host copy of the agent's document, computed once for every agent over it."""
+
+    def drop_saved(self, agent) -> None:
+        """The agent's host copy is no longer needed (it is resident again)."""
+
+    def pool_freed(self, key: PoolKey) -> None:
+        """The pool's context went: what was booked for it alone goes too."""
+
+
+class Pool(RequestCells):
+    """One model's context and the sequences seated in it; what books memory is asked of
+    `host` (PoolHost)."""
+
+    def __init__(self, key: PoolKey, loaded, host: PoolHost, *, fixed: Fixed | None = None):
         self.key, self.loaded, self.exact = key, loaded, key.exact
+        self.host = host
         self.fixed = fixed                        # a request pool's settings; None: sized for its agents
         self.store = fixed.store if fixed is not None else None
-        self._new_context, self._pause, self._keep_prefix = new_context, pause, keep_prefix
-        self._drop_saved = drop_saved
-        self._freed = freed                       # its context went: what was booked for it alone goes too
         self.ctx: Context | None = None
         self.seats: dict[str, Seat] = {}          # Agent.key -> its seat
         self.docs: dict[str, tuple[int, int]] = {}   # SharedPrefix.key -> (seq, cells)
@@ -165,10 +180,10 @@ class Pool(RequestCells):
     def open(self, agents: list) -> None:
         """Create the context for `agents` (every registered agent of this pool)."""
         n_ctx, n_seqs = self.size_for(agents)
-        self._freed(self.key)
+        self.host.pool_freed(self.key)
         self.rebuilds += self.stale
         self.opens += 1
-        self.ctx = self._new_context(self.loaded, n_ctx, n_seqs, self.exact)
+        self.ctx = self.host.new_context(self.loaded, n_ctx, n_seqs, self.exact)
         self.free_seqs = list(range(self.ctx.n_seq_max - 1, -1, -1))
         self.tomb = self.free_seqs.pop(0) if self.exact else None
         self.cells_free = self.ctx.n_ctx
@@ -181,7 +196,7 @@ class Pool(RequestCells):
         paused = [s.agent for s in self.seats.values()]
         if self.ctx is not None:
             for seat in self.seats.values():
-                self._pause(seat.agent, self.ctx, seat)
+                self.host.pause_seat(seat.agent, self.ctx, seat)
         self.discard()
         return paused
 
@@ -189,7 +204,7 @@ class Pool(RequestCells):
         """Free the context without pausing anyone (the daemon stops, or the model went)."""
         if self.ctx is not None:
             self.ctx.close()
-            self._freed(self.key)
+            self.host.pool_freed(self.key)
         self.ctx, self.seats, self.docs = None, {}, {}
         self.cache.clear()
 
@@ -273,7 +288,7 @@ class Pool(RequestCells):
             if agent.saved is not None:
                 agent.saved.restore(self.ctx, seq)
                 kv_len, cells = len(agent.history), agent.n_ctx
-                self._drop_saved(agent)
+                self.host.drop_saved(agent)
                 entry.restored = True
             elif self.key.requests:
                 kv_len = self._fork_kept(agent, seq, entry)
@@ -315,7 +330,7 @@ class Pool(RequestCells):
                     restored = True
                 else:
                     self.ctx.decode_tokens(p.tokens, 0, doc_seq, logits_last=False)
-                    self._keep_prefix(agent, Snapshot.capture(self.ctx, doc_seq, p.tokens))
+                    self.host.keep_prefix(agent, Snapshot.capture(self.ctx, doc_seq, p.tokens))
             except BaseException:
                 self._retire(doc_seq, 0, agent.owner)
                 self.free_seqs.append(doc_seq)
@@ -330,7 +345,7 @@ class Pool(RequestCells):
         to be rebuilt or re-read), pause=False drops it (RESET, UNREGISTER)."""
         seat = self.seats.pop(agent.key)
         if pause:
-            self._pause(agent, self.ctx, seat)
+            self.host.pause_seat(agent, self.ctx, seat)
         self.cells_free += seat.cells - self._hand_down(seat.seq)
         self._retire(seat.seq, seat.own_from, agent.owner)
         self.ctx.seq_rm(seat.seq)

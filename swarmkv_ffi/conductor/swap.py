@@ -20,7 +20,7 @@ from .pool import Seat
 class Swap:
     """The Conductor's host-RAM copies of agents' KV."""
 
-    def _keep_prefix(self, agent: Agent, snap: Snapshot) -> None:
+    def keep_prefix(self, agent: Agent, snap: Snapshot) -> None:
         """The document's KV, computed once, kept in host RAM for every agent over it
         (booked once to the swap budget, to the first agent's owner). With the owner's
         share full it is not kept: the document stays in the pool, and is computed again
@@ -33,7 +33,7 @@ class Swap:
             return
         p.snapshot = snap
 
-    def _pause(self, agent: Agent, ctx: Context, seat: Seat) -> None:
+    def pause_seat(self, agent: Agent, ctx: Context, seat: Seat) -> None:
         """Keep a leaving agent's KV in host RAM, booked to its owner's swap share. A prefix
         agent that can be rebuilt from its document needs none; if the share (or the
         whole budget) is full, the agent keeps only its tokens and its next DECODE
@@ -62,19 +62,19 @@ class Swap:
         return (p is not None and p.snapshot is not None and agent.history[:p.n_tokens] == p.tokens
                 and len(agent.history) - p.n_tokens <= REPLAY_MAX)
 
-    def _drop_saved(self, agent: Agent) -> None:
+    def drop_saved(self, agent: Agent) -> None:
         agent.saved = None
         self.swap.release(keys.swap(agent.owner, agent.id))
 
     def rewind_paused(self, agent: Agent) -> None:
         """A DECODE was undone while its agent was paused: a snapshot taken mid-DECODE
         holds too much, so the agent keeps its tokens and re-reads them."""
-        self._drop_saved(agent)
+        self.drop_saved(agent)
         agent.state = "suspended" if agent.history else "cold"
 
     def forget_conversation(self, agent: Agent) -> None:
         agent.history, agent.pending, agent.state = [], None, "cold"
-        self._drop_saved(agent)
+        self.drop_saved(agent)
 
     @staticmethod
     def reset_error(agent: Agent, exc: Exception) -> ConductorError:

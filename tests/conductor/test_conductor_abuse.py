@@ -334,7 +334,7 @@ def test_lmxd_contexts_keep_full_sliding_window_caches():
     c = Conductor(Ledger(lambda: 1 << 40), n_threads=1)
     try:
         agent = c.register("g", "gemma3-270m", n_ctx=256)
-        ctx = c._new_context(agent.loaded, 256)
+        ctx = c.new_context(agent.loaded, 256)
         assert ctx.params.swa_full is True
         ctx.close()
     finally:

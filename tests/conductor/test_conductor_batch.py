@@ -216,13 +216,13 @@ def test_a_pool_whose_context_cannot_be_made_fails_its_decodes_and_nothing_else(
     try:
         c.register("s", "smollm2-135m", n_ctx=256)
         c.register("g", "gemma3-270m", n_ctx=256)
-        real, refusing = c._new_context, [True]
+        real, refusing = c.new_context, [True]
 
         def refuse_smollm(loaded, n_ctx, n_seqs=1, exact=False):
             if refusing[0] and "SmolLM2" in loaded.name:
                 raise ContextError("injected: no memory for the pool")
             return real(loaded, n_ctx, n_seqs, exact)
-        monkeypatch.setattr(c, "_new_context", refuse_smollm)
+        monkeypatch.setattr(c, "new_context", refuse_smollm)
         with pytest.raises(ContextError, match="injected"):
             c.decode("s", 4, "Hello")
         assert c.decode("g", 3, "Hello").generated_tokens >= 1      # another model's pool works

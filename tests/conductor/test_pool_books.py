@@ -44,10 +44,27 @@ class FakeContext:
         self.held.clear()
 
 
+class FakeHost:
+    """A PoolHost that books nothing: its contexts are FakeContexts."""
+
+    def new_context(self, loaded, n_ctx: int, n_seqs: int = 1, exact: bool = False) -> FakeContext:
+        return FakeContext(n_ctx, n_seqs)
+
+    def pause_seat(self, agent, ctx, seat) -> None:
+        pass
+
+    def keep_prefix(self, agent, snap) -> None:
+        pass
+
+    def drop_saved(self, agent) -> None:
+        pass
+
+    def pool_freed(self, key) -> None:
+        pass
+
+
 def pool(cells: int = 1024, seqs: int = 8) -> Pool:
-    p = Pool(PoolKey("model", False, True), None, new_context=lambda loaded, n_ctx, n_seqs, exact: FakeContext(
-        n_ctx, n_seqs), pause=lambda *a: None, keep_prefix=lambda *a: None, drop_saved=lambda *a: None,
-        fixed=Fixed(cells, seqs))
+    p = Pool(PoolKey("model", False, True), None, FakeHost(), fixed=Fixed(cells, seqs))
     p.open([])
     return p
 
