@@ -23,6 +23,7 @@ gives the same tokens alone as among others.
 """
 from __future__ import annotations
 
+import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -94,6 +95,14 @@ def json_schema(schema: dict) -> str:
             schema, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
     except ValueError as exc:
         raise GrammarError(f"the JSON schema cannot be used: {exc}") from None
+
+
+def json_rule(schema: dict) -> str:
+    """A Lark rule's body for one JSON value valid against `schema`, written as json_schema()
+    writes it (one line, json.dumps's separators, no unlisted property): how a Lark grammar
+    embeds a JSON part, such as a tool call between a model's own markers."""
+    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return "%json " + json.dumps(dict(_closed(schema), **{"x-guidance": options}))
 
 
 def _closed(schema):

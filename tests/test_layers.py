@@ -47,7 +47,8 @@ LAYERS: list[list[str]] = [
     ["serve", "serve.schemas", "serve.keys", "serve.text", "serve.routing", "serve.templates",
      "serve.guard", "serve.metrics", "serve.sizing", "serve.lineup", "serve.volatile", "serve.stored", "serve.telemetry",
      "serve.churn"],
-    ["serve.errors", "serve.settings", "serve.structured", "serve.embeddings"],
+    ["serve.errors", "serve.settings", "serve.dialects", "serve.embeddings"],
+    ["serve.structured"],
     ["serve.hosted"],                                                   # one model: its pool, tier, size
     ["serve.loading"],                                                  # load on demand, unload when idle
     ["serve.engine"],                                                   # serve/ on conductor.requests

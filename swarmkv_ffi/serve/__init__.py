@@ -19,8 +19,10 @@ Lowest first (tests/test_layers.py holds the same order):
     errors.py     every failure as OpenAI's error JSON (Refused), for the app and on_ray
     settings.py   the server's settings and their flags, written once for every front
     embeddings.py POST /v1/embeddings from a served model
-    structured.py response_format, tools and grammar: the grammar a request's output follows,
-                  and the answer read back as content or tool calls
+    dialects.py   a model family's tool-call form and thoughts (Hermes' <tool_call>, <think>), told by
+                  its template; answers read whole or as they stream
+    structured.py response_format, tools and grammar: the grammar a request's output follows
+                  (in the model's dialect), and the answer read back as content or tool calls
     hosted.py     one hosted model: its RequestPool, the host-RAM tier below it, how its size was chosen
     loading.py    models loaded on a request's demand under the ledger, unloaded when idle (LRU, keep_alive)
     engine.py     the served models on one conductor; choices in flight per key; draining

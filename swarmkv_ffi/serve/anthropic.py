@@ -256,7 +256,10 @@ class MessagesShape:
 
     @staticmethod
     def _blocks(reply) -> list[dict]:
-        blocks = [{"type": "text", "text": reply.content}] if reply.content or not reply.tool_calls else []
+        """A thought (a thinking model's, dialects.py) first, then the words, then the calls."""
+        blocks = [{"type": "thinking", "thinking": reply.reasoning, "signature": ""}] if reply.reasoning else []
+        if reply.content or not reply.tool_calls:
+            blocks.append({"type": "text", "text": reply.content or ""})
         for t in reply.tool_calls:
             blocks.append({"type": "tool_use", "id": f"toolu_{t.id.removeprefix('call_')}", "name": t.name,
                            "input": json.loads(t.arguments)})
@@ -290,14 +293,14 @@ class MessagesShape:
                                                  "delta": {"type": "text_delta", "text": text}})
 
     def piece(self, call: Call, choice: Choice, text: str):
-        if call.structure.enveloped or not text:
+        if call.structure.held or not text:
             return
         yield from self._open_text()
         yield self._text_delta(0, text)
 
     def ending(self, call: Call, choice: Choice):
         reply = call.structure.read(choice.text.sent)
-        if not call.structure.enveloped:
+        if not call.structure.held:
             yield from self._open_text()
             yield sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
         else:
@@ -310,8 +313,13 @@ class MessagesShape:
         yield sse_event("message_stop", {"type": "message_stop"})
 
     def _streamed_block(self, index: int, block: dict):
-        """A block of a tool-call-form answer, read whole: started, one delta, stopped."""
-        if block["type"] == "text":
+        """A block of an answer read whole: started, one delta, stopped."""
+        if block["type"] == "thinking":
+            yield sse_event("content_block_start", {"type": "content_block_start", "index": index,
+                                                    "content_block": {"type": "thinking", "thinking": ""}})
+            yield sse_event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+                "type": "thinking_delta", "thinking": block["thinking"]}})
+        elif block["type"] == "text":
             yield sse_event("content_block_start", {"type": "content_block_start", "index": index,
                                                     "content_block": {"type": "text", "text": ""}})
             yield self._text_delta(index, block["text"])

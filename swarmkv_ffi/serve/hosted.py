@@ -19,7 +19,8 @@ import threading
 from ..conductor import Conductor, ContextFull, RequestPool, ledger_keys, vetted
 from ..kvcache.host import HostTier
 from ..kvcache.tier import PrefixTier
-from . import sizing, templates
+from . import dialects, sizing, templates
+from .dialects import Dialect
 from .embeddings import Embedder
 from .errors import context_exceeded
 from .lineup import ModelSpec
@@ -38,6 +39,7 @@ class HostedModel:
     host_tier: HostTier | None
     default_max_tokens: int
     chat_template: str | None = None
+    reads_thoughts: bool = True          # --reasoning-format deepseek
     _embedder: Embedder | None = None
     _embedder_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -55,7 +57,8 @@ class HostedModel:
                            share=settings.share_prefixes, store=tier or disk)
         templates.longest_token(pool.model)      # its vocabulary read now, not by the first request
         template = templates.read_file(settings.chat_template_file) if settings.chat_template_file else None
-        return cls(spec.name, pool, cells, sized, tier, settings.default_max_tokens, template)
+        return cls(spec.name, pool, cells, sized, tier, settings.default_max_tokens, template,
+                   settings.reasoning_format != "none")
 
     @property
     def model(self):
@@ -66,6 +69,13 @@ class HostedModel:
     def knows_tools(self) -> bool:
         """Does its chat template render tool calls itself?"""
         return templates.model_knows_tools(self.model, self.chat_template)
+
+    @property
+    def dialect(self) -> Dialect:
+        """How its chat template writes tool calls and thoughts (dialects.py); a thought
+        stays in the text under --reasoning-format none."""
+        dialect = dialects.detect(templates.source_of(self.model, self.chat_template))
+        return dialect if self.reads_thoughts else dataclasses.replace(dialect, thinks=False)
 
     @property
     def longest_token(self) -> int:

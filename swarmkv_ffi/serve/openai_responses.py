@@ -234,11 +234,12 @@ def to_chat(body: ResponsesRequest, model: str, earlier: list[dict]) -> tuple[Ch
 
 def answered(reply: Reply) -> list[dict]:
     """The answer as chat messages, for the stored conversation."""
+    thought = {"reasoning_content": reply.reasoning} if reply.reasoning else {}
     if reply.tool_calls:
-        return [{"role": "assistant", "content": None,
+        return [{"role": "assistant", "content": None, **thought,
                  "tool_calls": [{"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
                                 for t in reply.tool_calls]}]
-    return [{"role": "assistant", "content": reply.content or ""}]
+    return [{"role": "assistant", "content": reply.content or "", **thought}]
 
 
 class ResponsesShape:
@@ -248,7 +249,8 @@ class ResponsesShape:
     content_part.done, (a function call) function_call_arguments.delta and .done,
     ...output_item.done; last response.completed, or response.incomplete when
     max_output_tokens cut the answer (OpenAI's status `incomplete`). Every event carries
-    its `sequence_number`. A tool-call answer is read whole at its end (structured.py)."""
+    its `sequence_number`. An answer that may hold calls or a thought is read whole at its
+end (structured.Structure.held)."""
 
     def __init__(self, body: ResponsesRequest, model: str, owner: int, store: StoredResponses | None,
                  turns: list[dict]):
@@ -299,9 +301,12 @@ class ResponsesShape:
                 "name": name, "arguments": arguments, "status": status}
 
     def _output(self, reply: Reply) -> list[dict]:
+        """A thought as a reasoning item (a thinking model's, dialects.py), then the calls or the words."""
+        thought = [{"type": "reasoning", "id": f"rs_{self.id.removeprefix('resp_')}", "summary": [],
+                    "content": [{"type": "reasoning_text", "text": reply.reasoning}]}] if reply.reasoning else []
         if reply.tool_calls:
-            return [self._function_call(t.id, t.name, t.arguments, "completed") for t in reply.tool_calls]
-        return [self._message(reply.content or "", "completed")]
+            return thought + [self._function_call(t.id, t.name, t.arguments, "completed") for t in reply.tool_calls]
+        return thought + [self._message(reply.content or "", "completed")]
 
     def _final(self, call: Call) -> tuple[dict, str]:
         """(the finished response, its status), kept in the store when asked."""
@@ -329,7 +334,7 @@ class ResponsesShape:
         started = self._response(call, "in_progress", [], None)
         yield self._event("response.created", response=started)
         yield self._event("response.in_progress", response=started)
-        if not call.structure.enveloped:
+        if not call.structure.held:
             yield self._event("response.output_item.added", output_index=0, item=self._message("", "in_progress"))
             yield self._event("response.content_part.added", **self._text_item(), part=self._part(""))
 
@@ -338,7 +343,7 @@ class ResponsesShape:
             choice.progressed = True
             yield self._event("response.in_progress", response=self._response(call, "in_progress", [], None),
                               prompt_progress=telemetry.progress(call, choice), **self._timings(call, choice))
-        if call.structure.enveloped or not text:
+        if call.structure.held or not text:
             return
         yield self._event("response.output_text.delta", **self._text_item(), delta=text, logprobs=[],
                           **self._timings(call, choice))
@@ -348,26 +353,33 @@ class ResponsesShape:
 
     def ending(self, call: Call, choice: Choice):
         response, status = self._final(call)
-        if not call.structure.enveloped:
+        if not call.structure.held:
             text = response["output"][0]["content"][0]["text"]
             yield self._event("response.output_text.done", **self._text_item(), text=text, logprobs=[])
             yield self._event("response.content_part.done", **self._text_item(), part=self._part(text))
             yield self._event("response.output_item.done", output_index=0, item=response["output"][0])
         else:
             for index, item in enumerate(response["output"]):
-                yield from self._streamed_item(index, item)
+                yield from self._streamed_item(index, item, self._timings(call, choice))
         yield self._event(f"response.{status}", response=response, timings=telemetry.timings(call, choice))
 
-    def _streamed_item(self, index: int, item: dict):
-        """One output item of a tool-call-form answer, read whole: opened, its text or
-        arguments in one delta, closed."""
-        if item["type"] == "message":
+    def _streamed_item(self, index: int, item: dict, timings: dict):
+        """One output item of an answer read whole: opened, its text, thought or
+        arguments in one delta (with the timings when asked), closed."""
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            yield self._event("response.output_item.added", output_index=index, item=dict(item, content=[]))
+            yield self._event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
+                              content_index=0, delta=text)
+            yield self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                              content_index=0, text=text)
+        elif item["type"] == "message":
             text = item["content"][0]["text"]
             where = dict(item_id=item["id"], output_index=index, content_index=0)
             yield self._event("response.output_item.added", output_index=index, item=dict(item, content=[],
                                                                                           status="in_progress"))
             yield self._event("response.content_part.added", **where, part=self._part(""))
-            yield self._event("response.output_text.delta", **where, delta=text, logprobs=[])
+            yield self._event("response.output_text.delta", **where, delta=text, logprobs=[], **timings)
             yield self._event("response.output_text.done", **where, text=text, logprobs=[])
             yield self._event("response.content_part.done", **where, part=self._part(text))
         else:

@@ -4,9 +4,9 @@ ChatShape writes chat.completion and chat.completion.chunk, CompletionShape
 text_completion; both have the same four moments: `whole` (not streamed), `opening`
 (the chunks before any text), `piece` (new text of one choice, or None for nothing to
 send) and `ending` (the chunks of one choice's finish), and `usage_chunk` for
-stream_options. An answer in the tool-call form (structured.py) is read once whole: its
-stream holds the text back and sends, at the end, either the content or each tool call
-as OpenAI streams one (a piece with id, type and name, then its arguments).
+stream_options. A chat stream reads each choice's answer as it comes (dialects.Reader):
+words as content, a thinking model's thought as reasoning_content, and each tool call as
+OpenAI streams one (a piece with id, type and name, then its arguments as written).
 
 `Events` turns either into what routes.answer takes from every API's shape (this
 module's, openai_responses.py's, anthropic.py's): `whole` (a JSON body), and for a
@@ -21,6 +21,7 @@ import uuid
 
 from . import telemetry
 from .calls import Call, Choice
+from .dialects import Part, Reader
 from .errors import Refused, error_body
 from .schemas import (ChatChoice, ChatChunk, ChatCompletion, ChatLogprobs, ChatMessage, ChunkChoice, Completion,
                       CompletionChoice, CompletionLogprobs, Delta, FunctionCallOut, FunctionPiece, TokenLogprob,
@@ -60,8 +61,7 @@ class Events:
         return [sse(c.model_dump()) for c in self.shape.opening(call)]
 
     def piece(self, call: Call, choice: Choice, text: str):
-        chunk = self.shape.piece(call, choice, text)
-        return [] if chunk is None else [sse(chunk.model_dump())]
+        return [sse(c.model_dump()) for c in self.shape.piece(call, choice, text)]
 
     def ending(self, call: Call, choice: Choice):
         return [sse(c.model_dump()) for c in self.shape.ending(call, choice) if c is not None]
@@ -77,6 +77,7 @@ class Events:
 class ChatShape:
     def __init__(self, model: str):
         self.model, self.id = model, f"chatcmpl-{uuid.uuid4().hex}"
+        self._readers: dict[int, Reader] = {}     # a stream's reader per choice
 
     def _logprobs(self, call: Call, entries: list[TokenLogprob]) -> ChatLogprobs | None:
         return ChatLogprobs(content=entries) if call.body.ranked() is not None else None
@@ -87,9 +88,11 @@ class ChatShape:
             reply = call.structure.read(c.text.sent)
             calls = [ToolCallOut(id=t.id, function=FunctionCallOut(name=t.name, arguments=t.arguments))
                      for t in reply.tool_calls]
-            message = ChatMessage(content=reply.content, tool_calls=calls) if calls else ChatMessage(content=reply.content)
-            choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(call, c.logprobs),
-                                      finish_reason=c.finish_reason(reply)))
+            said = {"tool_calls": calls} if calls else {}
+            if reply.reasoning is not None:
+                said["reasoning_content"] = reply.reasoning
+            choices.append(ChatChoice(index=c.index, message=ChatMessage(content=reply.content, **said),
+                                      logprobs=self._logprobs(call, c.logprobs), finish_reason=c.finish_reason(reply)))
         return ChatCompletion(id=self.id, created=int(time.time()), model=self.model, choices=choices,
                               usage=call.usage(), system_fingerprint=fingerprint())
 
@@ -108,34 +111,53 @@ class ChatShape:
         for c in call.choices:
             yield self._chunk(call, [ChunkChoice(index=c.index, delta=Delta(role="assistant", content=None))])
 
-    def piece(self, call: Call, choice: Choice, text: str) -> ChatChunk | None:
+    def _reader(self, call: Call, choice: Choice) -> Reader:
+        if choice.index not in self._readers:
+            self._readers[choice.index] = call.structure.reader()
+        return self._readers[choice.index]
+
+    def piece(self, call: Call, choice: Choice, text: str) -> list[ChatChunk]:
+        """The chunks of new text: its parts as the reader splits them (words, thought,
+        a call opened, its arguments), the logprobs so far on the first."""
         fresh = choice.logprobs[choice.logprobs_sent:]
-        if call.structure.enveloped or (not text and not fresh):
-            return None
+        deltas = [delta(p) for p in self._reader(call, choice).feed(text)] if text else []
+        if not deltas and (not fresh or call.structure.enveloped):
+            return []
         choice.logprobs_sent += len(fresh)
-        return self._chunk(call, [ChunkChoice(index=choice.index, delta=Delta(content=text),
-                                              logprobs=self._logprobs(call, fresh))], **self._timings(call, choice))
+        deltas = deltas or [Delta(content="")]
+        timings = self._timings(call, choice)
+        return [self._chunk(call, [ChunkChoice(index=choice.index, delta=d,
+                                               logprobs=self._logprobs(call, fresh) if i == 0 else None)], **timings)
+                for i, d in enumerate(deltas)]
 
     def ending(self, call: Call, choice: Choice) -> list[ChatChunk]:
-        out, reply = [], None
-        if call.structure.enveloped:
-            reply = call.structure.read(choice.text.sent)
-            fresh = self._logprobs(call, choice.logprobs[choice.logprobs_sent:])
-            if reply.content:
-                out.append(self._chunk(call, [ChunkChoice(index=choice.index, delta=Delta(content=reply.content),
-                                                          logprobs=fresh)]))
-            for i, t in enumerate(reply.tool_calls):
-                head = ToolCallPiece(index=i, id=t.id, type="function", function=FunctionPiece(name=t.name, arguments=""))
-                body = ToolCallPiece(index=i, function=FunctionPiece(arguments=t.arguments))
-                out += [self._chunk(call, [ChunkChoice(index=choice.index, delta=Delta(tool_calls=[p]))])
-                        for p in (head, body)]
-        out.append(self._chunk(call, [ChunkChoice(index=choice.index, delta=Delta(),
-                                                  finish_reason=choice.finish_reason(reply))],
+        """What the reader held back, then the finish: "tool_calls" when it opened any."""
+        parts = self._reader(call, choice).finish()
+        fresh = choice.logprobs[choice.logprobs_sent:]
+        choice.logprobs_sent += len(fresh)
+        out = [self._chunk(call, [ChunkChoice(index=choice.index, delta=delta(p),
+                                              logprobs=self._logprobs(call, fresh) if i == 0 else None)])
+               for i, p in enumerate(parts)]
+        called = self._reader(call, choice).n_calls or any(p.kind == "call" for p in parts)
+        reason = "tool_calls" if called else choice.finish_reason()
+        out.append(self._chunk(call, [ChunkChoice(index=choice.index, delta=Delta(), finish_reason=reason)],
                                **self._timings(call, choice)))
         return out
 
     def usage_chunk(self, call: Call) -> ChatChunk:
         return self._chunk(call, [], usage=call.usage(), **self._timings(call, call.choices[0]))
+
+
+def delta(part: Part) -> Delta:
+    """A stream's delta for one part of an answer (dialects.Part)."""
+    if part.kind == "content":
+        return Delta(content=part.text)
+    if part.kind == "reasoning":
+        return Delta(reasoning_content=part.text)
+    if part.kind == "call":
+        return Delta(tool_calls=[ToolCallPiece(index=part.index, id=part.id, type="function",
+                                               function=FunctionPiece(name=part.text, arguments=""))])
+    return Delta(tool_calls=[ToolCallPiece(index=part.index, function=FunctionPiece(arguments=part.text))])
 
 
 class CompletionShape:
@@ -166,10 +188,10 @@ class CompletionShape:
     def opening(self, call: Call):
         return []
 
-    def piece(self, call: Call, choice: Choice, text: str) -> Completion | None:
+    def piece(self, call: Call, choice: Choice, text: str) -> list[Completion]:
         if not text:
-            return None
-        return self._object([CompletionChoice(index=choice.index, text=text, finish_reason=None, logprobs=None)])
+            return []
+        return [self._object([CompletionChoice(index=choice.index, text=text, finish_reason=None, logprobs=None)])]
 
     def ending(self, call: Call, choice: Choice) -> list[Completion]:
         return [self._object([CompletionChoice(index=choice.index, text="", finish_reason=choice.finish_reason(),

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .. import grammar
-from . import anthropic, llama_native, openai_responses, structured, templates, volatile
+from . import anthropic, dialects, llama_native, openai_responses, structured, templates, volatile
 from . import embeddings as embeddings_api
 from .calls import Call
 from .engine import ServeEngine
@@ -34,6 +34,8 @@ from .settings import Settings
 from .stored import StoredResponses
 
 
+#: The prompt's last tokens read for a thought it opens (dialects.opens_thought).
+THOUGHT_TAIL = 16
 #: The API each POST route speaks, as /metrics counts requests.
 API_OF = {"/v1/chat/completions": "chat", "/chat/completions": "chat", "/v1/responses": "responses",
           "/responses": "responses", "/v1/messages": "messages"}
@@ -206,9 +208,17 @@ async def run_chat(request: Request, who: int, body: ChatRequest, shape_for):
 async def prepared_chat(hosted: HostedModel, body: ChatRequest, settings: Settings):
     """(the prompt's tokens, its Structure): both made on a worker thread (a grammar's
     compile and the template's render never hold the event loop)."""
-    structure = await asyncio.to_thread(structured.plan, body, hosted.knows_tools)
+    structure = await asyncio.to_thread(plan_for, hosted, body)
     tokens = await asyncio.to_thread(chat_tokens, hosted, body, structure, settings.keep_billing_header)
+    if structure.dialect.thinks and structure.grammar is None:
+        tail = hosted.model.detokenize(tokens[-THOUGHT_TAIL:], unparse_special=True)
+        structure.opened = dialects.opens_thought(tail)
     return tokens, structure
+
+
+def plan_for(hosted: HostedModel, body) -> structured.Structure:
+    """The request's Structure in the dialect of the model's template (dialects.py)."""
+    return structured.plan(body, hosted.knows_tools, hosted.dialect)
 
 
 async def completions(request: Request):
@@ -295,7 +305,7 @@ async def apply_template(request: Request):
     text (nothing runs)."""
     def render(hosted: HostedModel, body: ChatRequest) -> dict:
         keep = served(request).settings.keep_billing_header
-        return {"prompt": chat_prompt(hosted, body, structured.plan(body, hosted.knows_tools), keep)}
+        return {"prompt": chat_prompt(hosted, body, plan_for(hosted, body), keep)}
     return await with_model(request, ChatRequest, render)
 
 
@@ -340,7 +350,7 @@ async def not_supported(request: Request):
 
 def counted(hosted: HostedModel, body: ChatRequest, settings: Settings) -> int:
     """The tokens of the prompt a chat request makes (the tools told, as it would run)."""
-    structure = structured.plan(body, hosted.knows_tools)
+    structure = plan_for(hosted, body)
     return len(chat_tokens(hosted, body, structure, settings.keep_billing_header))
 
 

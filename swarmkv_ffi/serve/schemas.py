@@ -358,9 +358,12 @@ class ToolCallOut(Shape):
 
 
 class ChatMessage(Shape):
-    omit_unset = frozenset({"tool_calls"})
+    """reasoning_content: a thinking model's thought (dialects.py), as llama-server and
+    vLLM name it; only given when the model thought."""
+    omit_unset = frozenset({"tool_calls", "reasoning_content"})
     role: Literal["assistant"] = "assistant"
     content: Optional[str]
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[ToolCallOut]] = None
 
 
@@ -398,9 +401,10 @@ class ToolCallPiece(Shape):
 
 
 class Delta(Shape):
-    omit_unset = frozenset({"role", "content", "tool_calls"})
+    omit_unset = frozenset({"role", "content", "reasoning_content", "tool_calls"})
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[ToolCallPiece]] = None
 
 

@@ -13,6 +13,10 @@
   agents with the same tools and document still share one prefix.
 - `grammar` (llama-server's extra): a GBNF or Lark grammar, as content.
 
+A template in another dialect (dialects.py: Hermes' `<tool_call>`) tells the model its
+tools itself, and the grammar makes it call them in that form instead, after any words
+under "auto"; a thinking template's thoughts are split off the answer either way.
+
 Compiling is bounded (issue 63: a 72 KiB GBNF of 3,000 chained rules took 4.4 s, a 4 MiB
 enum 1 GB): a grammar of at most MAX_GRAMMAR_CHARS characters and MAX_GRAMMAR_RULES
 rules, a schema (the response format, or the tools' form) of at most MAX_SCHEMA_BYTES as
@@ -23,12 +27,12 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from llguidance.gbnf_to_lark import any_to_lark
 
 from .. import grammar as grammars
+from .dialects import CALL_CLOSE, CALL_OPEN, Dialect, Reader, Reply, read_generic, read_hermes, split_thought
 from .errors import Refused
 
 MAX_GRAMMAR_CHARS = 32 << 10
@@ -43,24 +47,11 @@ FORM_AUTO = FORM + ', or {"response": <your answer>} to answer without them.'
 
 
 @dataclass
-class ToolCall:
-    id: str
-    name: str
-    arguments: str          # JSON text, as OpenAI sends it
-
-
-@dataclass
-class Reply:
-    """An answer read back: its content, or the tools it calls."""
-    content: str | None
-    tool_calls: list[ToolCall] = field(default_factory=list)
-
-
-@dataclass
 class Structure:
     """grammar: what the output must follow (None: free text). tools: what the system
     message tells the model (None: nothing). enveloped: the output is the tool JSON form
-    (read it back at the end; nothing is streamed before)."""
+    (read it back at the end; nothing is streamed before) in the `dialect`'s tool-call
+    form. opened: the prompt opens a thought (dialects.opens_thought) the answer goes on."""
     grammar: str | None = None
     tools: list[dict] | None = None
     auto: bool = False
@@ -69,10 +60,13 @@ class Structure:
     parallel: bool = False        # several calls may be made at once
     param: str = "grammar"        # the field the grammar comes from, named when it fails
     compiled: object = None       # grammar.Compiled for the model, once checked (routes.check_grammar)
+    dialect: Dialect = Dialect()
+    opened: bool = False
 
     def messages(self, messages: list[dict], template_knows_tools: bool) -> list[dict]:
-        """The messages with the tools and the answer form told in the system message."""
-        if not self.tools:
+        """The messages with the tools and the answer form told in the system message
+        (a template in a dialect that tells them itself gets them as they are)."""
+        if not self.tools or self.dialect.tells_tools:
             return messages
         note = FORM_AUTO if self.auto else FORM + "."
         if not template_knows_tools:
@@ -83,24 +77,28 @@ class Structure:
         return [{"role": "system", "content": note}] + messages
 
     def read(self, text: str) -> Reply:
-        """The answer `text` as content or tool calls; text that is not the whole JSON
-        form (cut by max_tokens or a stop string) stays content."""
-        if not self.enveloped:
-            return Reply(text)
-        try:
-            answer = json.loads(text)
-        except ValueError:
-            return Reply(text)
-        if not isinstance(answer, dict):
-            return Reply(text)
-        if "tool_calls" in answer:
-            return Reply(None, [ToolCall(f"call_{uuid.uuid4().hex[:24]}", c["name"], json.dumps(c["arguments"]))
-                                for c in answer["tool_calls"]])
-        response = answer.get("response")
-        return Reply(response if isinstance(response, str) else json.dumps(response))
+        """The whole answer `text` as its thought, content or tool calls; text that is
+        not a whole call (cut by max_tokens or a stop string) stays content."""
+        thought = None
+        if self.dialect.thinks or self.opened:
+            thought, text = split_thought(text, self.opened)
+        reply = Reply(text) if not self.enveloped else \
+            read_hermes(text) if self.dialect.calls == "hermes" else read_generic(text)
+        reply.reasoning = thought
+        return reply
+
+    @property
+    def held(self) -> bool:
+        """Is the answer read whole at its end by the fronts that do not read it as it
+        comes (Responses, Messages): it may hold calls or a thought."""
+        return self.enveloped or self.dialect.thinks or self.opened
+
+    def reader(self) -> Reader:
+        """A stream's reader of one choice's answer (dialects.Reader)."""
+        return Reader(self.dialect, tools=self.enveloped, opened=self.opened)
 
 
-def plan(body, parallel_default: bool = False) -> Structure:
+def plan(body, parallel_default: bool = False, dialect: Dialect = Dialect()) -> Structure:
     """The Structure a request asks for; a 400 naming the field when its parts clash or
     a schema or grammar cannot be compiled (checked against the vocabulary later).
 
@@ -117,13 +115,13 @@ def plan(body, parallel_default: bool = False) -> Structure:
         if tools or (fmt is not None and fmt.type != "text") or getattr(body, "json_schema", None) is not None:
             raise Refused(400, "grammar cannot be combined with tools or a JSON response_format",
                           "invalid_request_error", "grammar")
-        return Structure(grammar=_lark(raw))
+        return Structure(grammar=_lark(raw), dialect=dialect)
     if choice is not None and not tools:
         raise Refused(400, "tool_choice is only allowed when tools are specified", None, "tool_choice")
     response = _response_schema(fmt, getattr(body, "json_schema", None))
     if not tools or choice == "none":
         return Structure(grammar=None if response is None else _compile(response, "response_format"),
-                         response_is_json=response is not None, param="response_format")
+                         response_is_json=response is not None, param="response_format", dialect=dialect)
     tool_dicts = [t.model_dump(exclude_none=True) for t in tools]
     offered = [t["function"] for t in tool_dicts]
     named = not isinstance(choice, (str, type(None)))
@@ -134,9 +132,40 @@ def plan(body, parallel_default: bool = False) -> Structure:
                           None, "tool_choice")
     auto = choice in (None, "auto")
     parallel = parallel_default if body.parallel_tool_calls is None else body.parallel_tool_calls
-    schema = envelope(offered, auto=auto, parallel=parallel and not named, response=response)
-    return Structure(grammar=_compile(schema, "tools"), tools=tool_dicts, auto=auto, enveloped=True,
-                     response_is_json=response is not None, parallel=parallel and not named, param="tools")
+    parallel = parallel and not named
+    if dialect.calls == "hermes":
+        grammar = hermes_grammar(offered, auto, parallel, response)
+    else:
+        grammar = _compile(envelope(offered, auto=auto, parallel=parallel, response=response), "tools")
+    return Structure(grammar=grammar, tools=tool_dicts, auto=auto, enveloped=True, dialect=dialect,
+                     response_is_json=response is not None, parallel=parallel, param="tools")
+
+
+def hermes_grammar(functions: list[dict], auto: bool, parallel: bool, response: dict | None) -> str:
+    """The Lark grammar of calls in Hermes' form: <tool_call>, a call's JSON object, a
+    newline and </tool_call>, once or (`parallel`) more times; `auto` also allows words
+    (JSON by `response`, when given) instead, or words before the calls."""
+    call = grammars.json_rule({"anyOf": [_call_schema(f) for f in functions]})
+    size = len(call)
+    if size > MAX_SCHEMA_BYTES:
+        raise Refused(400, f"tools: the schema is {size} bytes as JSON, over this server's limit of "
+                      f"{MAX_SCHEMA_BYTES}", "schema_too_large", "tools")
+    opening, closing = json.dumps(CALL_OPEN + "\n"), json.dumps("\n" + CALL_CLOSE)
+    more = f' ("\\n" {opening} call {closing})*' if parallel else ""
+    rules = [f"calls: call {closing}{more}", f"call: {call}"]
+    if not auto:
+        start = f"start: {opening} calls"
+    elif response is not None:
+        start = f"start: {opening} calls | answer"
+        rules.append(f"answer: {grammars.json_rule(response)}")
+    else:
+        start = "start: WORDS | lead calls"
+        rules += [f"lead[lazy]: /(.|\\n)*{re.escape(CALL_OPEN)}\\n/",
+                  f"WORDS: /(.|\\n)+/ & ~/(.|\\n)*{re.escape(CALL_OPEN)}(.|\\n)*/"]
+    try:
+        return grammars.lark("\n".join([start] + rules) + "\n")
+    except ValueError as exc:
+        raise Refused(400, f"tools: {exc}", "invalid_schema", "tools") from None
 
 
 def envelope(functions: list[dict], auto: bool, parallel: bool, response: dict | None = None) -> dict:

@@ -162,6 +162,8 @@ def render(model, messages: list[dict], tools: list[dict] | None = None, mark=No
     template = _compiled(source) if source else None
     if template is None or not knows_tools(source):
         messages = plain_messages(messages)
+    elif OBJECT_ARGUMENTS.search(source):
+        messages = [_object_arguments(m) for m in messages]
     if mark is not None:
         messages = [_marked(m, mark) for m in messages]
     if template is None:
@@ -174,6 +176,12 @@ def render(model, messages: list[dict], tools: list[dict] | None = None, mark=No
         raise
     except Exception as exc:       # whatever the template's own code trips on
         raise TemplateError(f"the model's chat template cannot render these messages: {exc}") from None
+
+
+#: a template that writes a call's arguments as JSON itself (Qwen, Hermes, Llama 3.x) wants
+#: them as an object, as transformers passes them, not OpenAI's JSON text (llama.cpp's
+#: chat handler tells the same by rendering both)
+OBJECT_ARGUMENTS = re.compile(r"arguments\s*\|\s*tojson")
 
 
 def knows_tools(source: str | None) -> bool:
@@ -227,9 +235,33 @@ def _marked(message: dict, mark) -> dict:
     if message.get("reasoning_content"):
         out["reasoning_content"] = mark(message["reasoning_content"])
     if message.get("tool_calls"):
-        out["tool_calls"] = [dict(c, function=dict(c["function"], arguments=mark(c["function"]["arguments"])))
+        out["tool_calls"] = [dict(c, function=dict(c["function"],
+                                                   arguments=_marked_json(c["function"]["arguments"], mark)))
                              for c in message["tool_calls"]]
     return out
+
+
+def _marked_json(value, mark):
+    """Arguments marked: JSON text whole, an object (_object_arguments) in every string,
+    keys too, so the template's tojson keeps the markers inside its strings."""
+    if isinstance(value, str):
+        return mark(value)
+    if isinstance(value, dict):
+        return {mark(k): _marked_json(v, mark) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_marked_json(v, mark) for v in value]
+    return value
+
+
+def _object_arguments(message: dict) -> dict:
+    """The message with its calls' arguments as objects where they are JSON objects."""
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for c in message["tool_calls"]:
+        arguments = _arguments(c["function"]["arguments"])
+        calls.append(dict(c, function=dict(c["function"], arguments=arguments)) if isinstance(arguments, dict) else c)
+    return dict(message, tool_calls=calls)
 
 
 def _arguments(text: str):

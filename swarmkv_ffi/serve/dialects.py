@@ -1,0 +1,353 @@
+"""How a model family writes tool calls and thoughts, told by its chat template (as
+llama.cpp's chat parser tells it: by the markers the template names).
+
+- Generic (any template): the tool-call JSON form structured.py describes,
+      {"tool_calls": [{"name": "lookup", "arguments": {...}}]}   or   {"response": "..."}
+  told to the model in the system message.
+- Hermes (Qwen 2.5 and 3, Hermes 2/3, and other templates that name `<tool_call>`): the
+  template tells the tools itself, and the model calls them after any words as
+      <tool_call>
+      {"name": "lookup", "arguments": {...}}
+      </tool_call>
+- Thoughts: a template that names `<think>` or `</think>` (Qwen3, QwQ, DeepSeek R1 and its distills)
+  marks a thinking model; what it writes between <think> and </think> (or from the start
+  of its answer to </think>, when the prompt itself opens the thought) is the message's
+  reasoning_content, not its content, as llama-server's default `--reasoning-format`
+  splits it.
+
+Two ways to read an answer: `read` (whole, strict: a call cut short stays text) and a
+`Reader` fed the text as it is generated, which yields `Part`s — words, thoughts, a call
+opened by name, a piece of a call's arguments — so a stream sends a call's arguments as
+they are written, not at the end.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+#: the start of a call object in either form, name first, as the grammars write it
+HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+HEAD_MAX = 200          # characters past which a call's name is no longer looked for
+ENVELOPE = '{"tool_calls": ['   # the generic form's opening, as its grammar writes it
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str          # JSON text, as OpenAI sends it
+
+
+@dataclass
+class Reply:
+    """An answer read back: its content, the tools it calls, its thoughts."""
+    content: str | None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str | None = None
+
+
+@dataclass
+class Part:
+    """A piece of an answer as it streams: kind "content" or "reasoning" (text), "call"
+    (a call opens: index, id, name in text) or "arguments" (more of call `index`'s)."""
+    kind: str
+    text: str
+    index: int = 0
+    id: str = ""
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """A template's tool-call form ("generic" or "hermes") and whether it thinks."""
+    calls: str = "generic"
+    thinks: bool = False
+
+    @property
+    def tells_tools(self) -> bool:
+        """Does the template tell the model the tools and their form itself?"""
+        return self.calls == "hermes"
+
+
+def detect(source: str | None) -> Dialect:
+    """The dialect of a chat template's source (None: libllama's built-in, generic)."""
+    source = source or ""
+    return Dialect(calls="hermes" if CALL_OPEN in source else "generic",
+                   thinks=THINK_OPEN in source or THINK_CLOSE in source)
+
+
+def opens_thought(prompt_tail: str) -> bool:
+    """Does a rendered prompt (its last characters) leave a thought open for the answer?"""
+    return prompt_tail.rfind(THINK_OPEN) > prompt_tail.rfind(THINK_CLOSE)
+
+
+# ---- whole answers ------------------------------------------------------------------------
+
+def split_thought(text: str, opened: bool) -> tuple[str | None, str]:
+    """(the thought, the rest) of an answer; opened: the prompt opened the thought."""
+    if not opened:
+        stripped = text.lstrip()
+        if not stripped.startswith(THINK_OPEN):
+            return None, text
+        text = stripped[len(THINK_OPEN):]
+    thought, closed, rest = text.partition(THINK_CLOSE)
+    return (thought.strip(), rest.lstrip()) if closed else (thought.strip(), "")
+
+
+def read_generic(text: str) -> Reply:
+    """The JSON form as calls or words; text that is not the whole form stays content."""
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        return Reply(text)
+    if not isinstance(answer, dict):
+        return Reply(text)
+    if "tool_calls" in answer:
+        return Reply(None, [ToolCall(call_id(), c["name"], json.dumps(c["arguments"])) for c in answer["tool_calls"]])
+    response = answer.get("response")
+    return Reply(response if isinstance(response, str) else json.dumps(response))
+
+
+def read_hermes(text: str) -> Reply:
+    """Words, then <tool_call> blocks; a block cut short or not JSON leaves it all text."""
+    head, opened, rest = text.partition(CALL_OPEN)
+    if not opened:
+        return Reply(text)
+    calls = []
+    for block in (CALL_OPEN + rest).split(CALL_OPEN)[1:]:
+        body, closed, after = block.partition(CALL_CLOSE)
+        try:
+            call = json.loads(body)
+            calls.append(ToolCall(call_id(), call["name"], json.dumps(call["arguments"])))
+        except (ValueError, KeyError, TypeError):
+            return Reply(text)
+        if not closed or after.strip():
+            return Reply(text)
+    return Reply(head.strip() or None, calls)
+
+
+# ---- answers as they stream ---------------------------------------------------------------
+
+def held_back(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could begin `marker` (kept until the next
+    piece tells whether they do)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class CallScanner:
+    """One call object, `{"name": ..., "arguments": {...}}`, read as it comes: the call
+    opens once its name is read, its arguments go out as written, and `feed` returns the
+    text past the object's end once it has one. A call whose arguments come before its
+    name (no grammar made the model write it our way) is sent whole at its end."""
+
+    def __init__(self, index: int):
+        self.index, self.id = index, call_id()
+        self.text, self.at = "", 0
+        self.depth, self.in_string, self.escaped = 0, False, False
+        self.args_from: int | None = None       # where the arguments begin, once the name is read
+        self.args_end: int | None = None
+        self.sent = 0                           # of text, arguments sent up to here
+        self.done = False
+
+    def feed(self, piece: str) -> tuple[list[Part], str | None]:
+        """(parts, the text after the object or None while it goes on)."""
+        self.text += piece
+        parts, end = [], None
+        while self.at < len(self.text) and end is None:
+            i, ch = self.at, self.text[self.at]
+            end = self._step(ch)
+            self.at += 1
+            if self.args_from is None and i <= HEAD_MAX and not ch.isspace() and (m := HEAD.fullmatch(self.text, 0, i)):
+                self.args_from = self.sent = i
+                parts.append(Part("call", json.loads(f'"{m.group(1)}"'), self.index, self.id))
+        if self.args_from is not None:
+            stop = self.args_end if self.args_end is not None else self.at
+            if stop > self.sent:
+                parts.append(Part("arguments", self.text[self.sent:stop], self.index))
+                self.sent = stop
+        if end is None:
+            return parts, None
+        self.done = True
+        rest, self.text = self.text[end:], self.text[:end]
+        return parts + self._whole(), rest
+
+    def _step(self, ch: str) -> int | None:
+        """Track strings and nesting; the object's end offset when `ch` closes it."""
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = False
+            return None
+        if ch == '"':
+            self.in_string = True
+        elif ch in "{[":
+            self.depth += 1
+        elif ch in "}]":
+            self.depth -= 1
+            if self.args_from is not None and self.args_end is None and self.depth == 1:
+                self.args_end = self.at + 1
+            if self.depth == 0:
+                return self.at + 1
+        return None
+
+    def _whole(self) -> list[Part]:
+        """A call never opened by name: open it now from the whole object, if it is one."""
+        if self.args_from is not None:
+            return []
+        try:
+            call = json.loads(self.text)
+            return [Part("call", call["name"], self.index, self.id),
+                    Part("arguments", json.dumps(call["arguments"]), self.index)]
+        except (ValueError, KeyError, TypeError):
+            return [Part("content", self.text)]
+
+
+class Reader:
+    """An answer's text, fed as generated, as Parts: thoughts split off first (when the
+    dialect thinks), then the rest read by the dialect's call form. `finish` sends what
+    was held back (a marker's first characters that never became one)."""
+
+    def __init__(self, dialect: Dialect, tools: bool, opened: bool = False):
+        self.dialect, self.tools = dialect, tools
+        self.thought = "open" if opened else ("maybe" if dialect.thinks else "none")
+        self.pending = ""          # text held back: a marker may be forming
+        self.state = "text"        # for the calls: text, call, after (a call), envelope, held
+        self.scanner: CallScanner | None = None
+        self.n_calls = 0
+        self.whole = ""            # every answer character past the thought (the generic form's fallback)
+
+    def feed(self, text: str) -> list[Part]:
+        self.pending += text
+        out: list[Part] = []
+        if self.thought != "none":
+            self._thoughts(out)
+        if self.thought == "none":
+            rest, self.pending = self.pending, ""
+            self._answer(rest, out)
+        return [p for p in out if p.text or p.kind == "call"]
+
+    def finish(self) -> list[Part]:
+        out: list[Part] = []
+        rest, self.pending = self.pending, ""
+        if self.thought == "open":
+            out.append(Part("reasoning", rest))
+            return [p for p in out if p.text]
+        if self.thought in ("maybe", "closed"):
+            self.thought = "none"
+        if self.state == "text" or not self.tools:
+            out.append(Part("content", rest if rest.strip() or not self.n_calls else ""))
+        elif self.state in ("envelope", "held"):
+            self.whole += rest
+            reply = read_generic(self.whole)
+            out += [Part("content", reply.content or "")] if not reply.tool_calls else \
+                [p for i, c in enumerate(reply.tool_calls)
+                 for p in (Part("call", c.name, i, c.id), Part("arguments", c.arguments, i))]
+        return [p for p in out if p.text]
+
+    def _thoughts(self, out: list[Part]) -> None:
+        """Split the thought off the pending text: while it may still begin ("maybe"),
+        while it is open, and once closed ("closed") pass on to the answer."""
+        if self.thought == "maybe":
+            stripped = self.pending.lstrip()
+            if stripped.startswith(THINK_OPEN):
+                self.pending, self.thought = stripped[len(THINK_OPEN):], "open"
+            elif not stripped or THINK_OPEN.startswith(stripped):
+                return
+            else:
+                self.thought = "none"
+                return
+        if self.thought == "closed":          # the answer starts past the whitespace
+            self.pending = self.pending.lstrip()
+            if self.pending:
+                self.thought = "none"
+            return
+        before, closed, after = self.pending.partition(THINK_CLOSE)
+        if closed:
+            out.append(Part("reasoning", before))
+            self.pending, self.thought = after, "closed"
+            self._thoughts(out)
+            return
+        keep = held_back(self.pending, THINK_CLOSE)
+        out.append(Part("reasoning", self.pending[:len(self.pending) - keep]))
+        self.pending = self.pending[len(self.pending) - keep:]
+
+    def _answer(self, text: str, out: list[Part]) -> None:
+        if not self.tools:
+            out.append(Part("content", text))
+        elif self.dialect.calls == "hermes":
+            self._hermes(text, out)
+        else:
+            self._generic(text, out)
+
+    def _hermes(self, text: str, out: list[Part]) -> None:
+        """Words until <tool_call>, a call object, its </tool_call>, and so on."""
+        while text:
+            if self.state == "text":
+                before, opened, after = text.partition(CALL_OPEN)
+                if not opened:
+                    keep = len(text) if self.n_calls and not text.strip() else held_back(text, CALL_OPEN)
+                    out.append(Part("content", text[:len(text) - keep]))
+                    self.pending = text[len(text) - keep:]
+                    return
+                out.append(Part("content", before if before.strip() or not self.n_calls else ""))
+                self.scanner, self.state, text = CallScanner(self.n_calls), "call", after
+                self.n_calls += 1
+            elif self.state == "call":
+                parts, text = self.scanner.feed(text)
+                out += parts
+                if text is None:
+                    return
+                self.state = "after"
+            else:                          # after a call: its closing tag, then words or more calls
+                stripped = text.lstrip()
+                if stripped.startswith(CALL_CLOSE):
+                    text, self.state = stripped[len(CALL_CLOSE):], "text"
+                elif CALL_CLOSE.startswith(stripped):
+                    self.pending = text
+                    return
+                else:
+                    self.state = "text"
+
+    def _generic(self, text: str, out: list[Part]) -> None:
+        """{"tool_calls": [ call, call ]}: each call streamed; {"response": ...} and text
+        not in the form are held to the end (finish)."""
+        self.whole += text
+        if self.state == "text":
+            self.state = "envelope"
+            text = self.whole
+        while text:
+            if self.state == "envelope":
+                if not self.whole.startswith(ENVELOPE):
+                    if not ENVELOPE.startswith(self.whole):
+                        self.state = "held"
+                    return
+                self.state, text = "between", self.whole[len(ENVELOPE):]
+            elif self.state == "between":
+                text = text.lstrip(" \n,")
+                if text.startswith("{"):
+                    self.scanner, self.state = CallScanner(self.n_calls), "call"
+                    self.n_calls += 1
+                elif text:
+                    self.state = "held_done"
+                    return
+            elif self.state == "call":
+                parts, text = self.scanner.feed(text)
+                out += parts
+                if text is None:
+                    return
+                self.state = "between"
+            else:
+                return

@@ -1,0 +1,128 @@
+"""Reading answers in a model family's own dialect (serve/dialects.py), model-free: the
+Hermes `<tool_call>` form and the generic JSON form, thoughts between <think> tags, whole
+and as a stream cut at every place a tokenizer could cut it. A stream reassembled as
+OpenAI's clients do it must equal the whole answer read at once."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from swarmkv_ffi.serve.dialects import (Dialect, Reader, detect, opens_thought, read_generic, read_hermes,
+                                        split_thought)
+
+pytestmark = pytest.mark.unit
+
+HERMES, GENERIC = Dialect("hermes"), Dialect("generic")
+THINKING_HERMES = Dialect("hermes", thinks=True)
+CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo \\"}{\\" [x]", "days": [1, {"a": 2}]}}'
+        '\n</tool_call>')
+ARGS = {"city": 'Oslo "}{" [x]', "days": [1, {"a": 2}]}
+
+
+def streamed(reader: Reader, text: str, size: int) -> dict:
+    """Feed `text` in pieces of `size` characters; reassemble as a client does."""
+    parts = [p for i in range(0, len(text), size) for p in reader.feed(text[i:i + size])] + reader.finish()
+    out = {"content": "", "reasoning": "", "calls": {}}
+    for p in parts:
+        if p.kind in ("content", "reasoning"):
+            out[p.kind] += p.text
+        elif p.kind == "call":
+            assert p.index not in out["calls"] and p.id.startswith("call_")
+            out["calls"][p.index] = [p.text, ""]
+        else:
+            out["calls"][p.index][1] += p.text
+    out["calls"] = [(name, json.loads(args)) for _, (name, args) in sorted(out["calls"].items())]
+    return out
+
+
+def test_templates_are_told_apart_by_the_markers_they_name():
+    assert detect(None) == GENERIC and detect("{{ messages }} tool_calls") == GENERIC
+    assert detect("{% for t in tools %}<tool_call>{{ t }}</tool_call>{% endfor %}") == HERMES
+    assert detect("<tool_call> {{ '</think>' }}") == THINKING_HERMES
+    assert detect("{{ '</think>' }}").thinks and not detect("{{ '</think>' }}").tells_tools
+
+
+def test_a_hermes_answer_whole_words_then_calls():
+    reply = read_hermes("Let me look.\n" + CALL + "\n" + CALL.replace("Oslo", "Rome"))
+    assert reply.content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in reply.tool_calls] == \
+        [("get_weather", ARGS), ("get_weather", dict(ARGS, city=ARGS["city"].replace("Oslo", "Rome")))]
+    assert len({c.id for c in reply.tool_calls}) == 2
+
+
+@pytest.mark.parametrize("cut", [CALL[:-3], CALL.replace('"arguments"', '"args"'),
+                                 "words <tool_call>\n{not json}\n</tool_call>"])
+def test_a_hermes_call_cut_short_or_malformed_stays_text(cut):
+    reply = read_hermes(cut)
+    assert reply.content == cut and reply.tool_calls == []
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_a_streamed_hermes_answer_reassembles_into_the_whole(size):
+    text = "Let me look.\n" + CALL + "\n" + CALL.replace("Oslo", "Rome")
+    got = streamed(Reader(HERMES, tools=True), text, size)
+    whole = read_hermes(text)
+    assert got["content"].strip() == whole.content
+    assert got["calls"] == [(c.name, json.loads(c.arguments)) for c in whole.tool_calls]
+
+
+def test_hermes_arguments_stream_before_the_call_ends():
+    reader = Reader(HERMES, tools=True)
+    head = CALL[:CALL.index('"days"')]
+    parts = [p for ch in head for p in reader.feed(ch)]
+    assert [p.kind for p in parts][0] == "call" and parts[0].text == "get_weather"
+    assert "".join(p.text for p in parts if p.kind == "arguments") == '{"city": "Oslo \\"}{\\" [x]", '
+
+
+def test_a_call_written_arguments_first_is_sent_whole_at_its_end():
+    text = '<tool_call>\n{"arguments": {"city": "Oslo"}, "name": "get_weather"}\n</tool_call>'
+    assert streamed(Reader(HERMES, tools=True), text, 1)["calls"] == [("get_weather", {"city": "Oslo"})]
+
+
+def test_words_that_only_look_like_a_marker_are_sent_as_words():
+    text = "a <tool_cal> b <tool_"
+    got = streamed(Reader(HERMES, tools=True), text, 1)
+    assert got == {"content": text, "reasoning": "", "calls": []}
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_the_generic_form_streams_each_call(size):
+    text = json.dumps({"tool_calls": [{"name": "a", "arguments": {"x": "}"}}, {"name": "b", "arguments": {}}]})
+    assert streamed(Reader(GENERIC, tools=True), text, size)["calls"] == [("a", {"x": "}"}), ("b", {})]
+    answer = json.dumps({"response": "in words"})
+    assert streamed(Reader(GENERIC, tools=True), answer, size) == {"content": "in words", "reasoning": "", "calls": []}
+    assert read_generic(answer).content == "in words"
+
+
+def test_the_generic_form_cut_short_is_content():
+    cut = json.dumps({"response": "in words"})[:-3]
+    assert streamed(Reader(GENERIC, tools=True), cut, 2)["content"] == cut
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_a_thought_is_split_off_the_answer(size):
+    text = "<think>\nweigh it </thin up</think>\n\nThe answer."
+    assert split_thought(text, opened=False) == ("weigh it </thin up", "The answer.")
+    got = streamed(Reader(Dialect(thinks=True), tools=False), text, size)
+    assert (got["reasoning"].strip(), got["content"]) == ("weigh it </thin up", "The answer.")
+
+
+def test_a_thought_the_prompt_opened_runs_to_its_close_or_the_end():
+    assert split_thought("still thinking", opened=True) == ("still thinking", "")
+    got = streamed(Reader(Dialect(thinks=True), tools=False, opened=True), "a</think>b", 1)
+    assert (got["reasoning"], got["content"]) == ("a", "b")
+    assert opens_thought("<|im_start|>assistant\n<think>\n") and not opens_thought("<think>x</think>\n")
+
+
+def test_without_a_thought_a_thinking_model_answers_in_content():
+    for size in (1, 1000):
+        got = streamed(Reader(Dialect(thinks=True), tools=False), "<thi is not a tag", size)
+        assert got == {"content": "<thi is not a tag", "reasoning": "", "calls": []}
+    assert split_thought("plain", opened=False) == (None, "plain")
+
+
+def test_a_thought_then_a_hermes_call():
+    text = "<think>need weather</think>\n" + CALL
+    got = streamed(Reader(THINKING_HERMES, tools=True), text, 2)
+    assert got["reasoning"] == "need weather" and got["calls"] == [("get_weather", ARGS)] and got["content"] == ""

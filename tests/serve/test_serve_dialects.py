@@ -1,0 +1,202 @@
+"""A model family's own tool-call form and thoughts through a real `swarmkv serve` and the
+`openai` client: SmolLM2 served with a Qwen-style chat template (tools told by the
+template, calls as `<tool_call>` blocks, the answer's thought opened by the prompt as
+DeepSeek R1's template opens it). The grammar makes even a model never trained on the
+form call in it; arguments stream as they are generated; thoughts come back as
+reasoning_content. Exact mode: the same request streamed and whole gives the same tokens.
+"""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from corpus import LICENCE
+from serve_process import MODEL, Serve
+
+pytestmark = pytest.mark.slow
+
+#: Qwen 2.5's template in substance (tools in <tools>, calls in <tool_call>, results in
+#: <tool_response>), with the generation prompt opening a thought.
+TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a helpful assistant.{% endif %}
+
+# Tools
+
+You may call one or more functions to assist with the user query.
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% elif message.role == 'assistant' %}<|im_start|>assistant
+{% for call in message.tool_calls %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{% endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+<think>
+{% endif %}"""
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+LOOKUP = {"type": "function", "function": {
+    "name": "lookup_section", "parameters": {"type": "object", "properties": {
+        "section": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["section"]}}}
+TOOLS = [WEATHER, LOOKUP]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+QUESTION = [{"role": "system", "content": "Document.\n" + LICENCE[:600]},
+            {"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    where = tmp_path_factory.mktemp("dialects")
+    (where / "qwen.jinja").write_text(TEMPLATE)
+    with Serve("--exact", "--chat-template-file", str(where / "qwen.jinja"), log=where / "serve.log") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def ask(client, max_tokens=64, **kw):
+    return client.chat.completions.create(model=MODEL, messages=kw.pop("messages", QUESTION), max_tokens=max_tokens,
+                                          temperature=kw.pop("temperature", 0), **kw)
+
+
+def checked(calls) -> list[tuple[str, dict]]:
+    out = []
+    for c in calls:
+        arguments = json.loads(c.function.arguments)
+        jsonschema.validate(arguments, PARAMETERS[c.function.name])
+        out.append((c.function.name, arguments))
+    return out
+
+
+def test_the_template_tells_the_tools_and_renders_calls_in_its_own_form(server):
+    """No generic JSON form told in the system message; an earlier call is written back
+    as a <tool_call> block with its arguments as JSON (not JSON text quoted again)."""
+    import requests
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                           "arguments": '{"city": "Oslo", "unit": "celsius"}'}}
+    messages = QUESTION + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    prompt = requests.post(server.url + "/apply-template", json={"model": MODEL, "messages": messages,
+                                                                 "tools": TOOLS}, timeout=60).json()["prompt"]
+    assert '"name": "get_weather"' in prompt and "tool_calls" not in prompt.split("<tools>")[0]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>' \
+        in prompt
+    assert "<tool_response>\nsunny\n</tool_response>" in prompt and prompt.endswith("<think>\n")
+
+
+def test_a_required_call_in_the_models_form_streams_its_arguments(client):
+    """The client's stream helper joins the pieces; more than one piece carries arguments
+    (they stream as generated), and the call equals the unstreamed answer's."""
+    kw = dict(tools=TOOLS, tool_choice="required")
+    whole = ask(client, **kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    pieces = 0
+    with client.chat.completions.stream(model=MODEL, messages=QUESTION, max_tokens=64, temperature=0, **kw) as stream:
+        for event in stream:
+            if event.type == "chunk" and event.chunk.choices and event.chunk.choices[0].delta.tool_calls:
+                pieces += sum(1 for t in event.chunk.choices[0].delta.tool_calls if t.function.arguments)
+        streamed = stream.get_final_completion().choices[0]
+    assert pieces > 1
+    assert streamed.finish_reason == "tool_calls"
+    assert checked(streamed.message.tool_calls) == checked(whole.message.tool_calls)
+
+
+def test_parallel_calls_in_the_models_form(client):
+    reply = ask(client, max_tokens=160, tools=TOOLS, tool_choice="required", parallel_tool_calls=True, n=3,
+                temperature=1.0, seed=4)
+    for c in reply.choices:
+        if c.finish_reason == "tool_calls":
+            assert checked(c.message.tool_calls)
+        else:
+            assert c.finish_reason == "length" and "<tool_call>" in c.message.content
+
+
+def test_auto_answers_in_words_or_in_calls(client):
+    reply = ask(client, tools=TOOLS, tool_choice="auto", n=4, temperature=1.0, seed=2)
+    for c in reply.choices:
+        if c.message.tool_calls:
+            assert c.finish_reason == "tool_calls" and checked(c.message.tool_calls)
+        else:
+            assert "<tool_call>" not in (c.message.content or "")
+
+
+def test_a_thought_the_prompt_opens_is_reasoning_content_whole_and_streamed(client):
+    whole = ask(client, max_tokens=24, messages=[{"role": "user", "content": "Hello!"}]).choices[0].message
+    assert whole.reasoning_content and not whole.content
+    thought = ""
+    for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello!"}],
+                                                max_tokens=24, temperature=0, stream=True):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        assert delta is None or not delta.content
+        thought += (getattr(delta, "reasoning_content", None) or "") if delta else ""
+    assert thought.strip() == whole.reasoning_content
+
+
+def test_a_thought_closed_in_the_answer_splits_it(client):
+    """A grammar that writes a thought, then words: the thought is reasoning_content."""
+    grammar = 'root ::= "<think>" [a-z]{2,8} " " [a-z]{2,8} "</think>" [a-z]{2,8}'
+    kw = dict(max_tokens=40, extra_body={"grammar": grammar}, messages=[{"role": "user", "content": "Hi"}])
+    message = ask(client, **kw).choices[0].message
+    assert message.reasoning_content and " " in message.reasoning_content
+    assert message.content and message.content.isalpha()
+    parts = {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(model=MODEL, temperature=0, stream=True, **kw):
+        for field in parts:
+            parts[field] += (getattr(chunk.choices[0].delta, field, None) or "") if chunk.choices else ""
+    assert (parts["reasoning_content"], parts["content"]) == (message.reasoning_content, message.content)
+
+
+def test_the_responses_and_messages_apis_give_the_thought_its_own_item(server, client):
+    """The same thought as chat's reasoning_content: a reasoning item (Responses API) and
+    a thinking block (Messages API), whole and streamed through each SDK's accumulator."""
+    import anthropic
+    hello = [{"role": "user", "content": "Hello!"}]
+    thought = ask(client, max_tokens=24, messages=hello).choices[0].message.reasoning_content
+    kw = dict(model=MODEL, input="Hello!", max_output_tokens=24, temperature=0)
+    whole = client.responses.create(**kw)
+    streamed = list(client.responses.create(stream=True, **kw))[-1].response     # incomplete: cut at 24 tokens
+    for response in (whole, streamed):
+        assert response.output[0].type == "reasoning" and response.output[0].content[0].text == thought
+    messages = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=300).messages
+    kw = dict(model=MODEL, max_tokens=24, messages=hello, extra_body={"temperature": 0})
+    with messages.stream(**kw) as stream:
+        streamed = stream.get_final_message()
+    for message in (messages.create(**kw), streamed):
+        assert message.content[0].type == "thinking" and message.content[0].thinking == thought
+
+
+def test_reasoning_format_none_leaves_the_thought_in_the_text(tmp_path, client):
+    (tmp_path / "qwen.jinja").write_text(TEMPLATE)
+    hello = [{"role": "user", "content": "Hello!"}]
+    thought = ask(client, max_tokens=24, messages=hello).choices[0].message.reasoning_content
+    with Serve("--exact", "--chat-template-file", str(tmp_path / "qwen.jinja"), "--reasoning-format", "none",
+               log=tmp_path / "serve.log") as plain:
+        message = ask(plain.client(), max_tokens=24, messages=hello).choices[0].message
+    assert message.content.strip() == thought and getattr(message, "reasoning_content", None) is None
