@@ -77,9 +77,11 @@ class Dialect:
 
 
 def detect(source: str | None) -> Dialect:
-    """The dialect of a chat template's source (None: libllama's built-in, generic)."""
+    """The dialect of a chat template's source (None: libllama's built-in, generic). A
+    template names its call form only where it also renders calls (`tool_calls`), as
+    templates.knows_tools asks: one that does not is told the generic form instead."""
     source = source or ""
-    return Dialect(calls="hermes" if CALL_OPEN in source else "generic",
+    return Dialect(calls="hermes" if CALL_OPEN in source and "tool_calls" in source else "generic",
                    thinks=THINK_OPEN in source or THINK_CLOSE in source)
 
 

@@ -49,9 +49,10 @@ FORM_AUTO = FORM + ', or {"response": <your answer>} to answer without them.'
 @dataclass
 class Structure:
     """grammar: what the output must follow (None: free text). tools: what the system
-    message tells the model (None: nothing). enveloped: the output is the tool JSON form
-    (read it back at the end; nothing is streamed before) in the `dialect`'s tool-call
-    form. opened: the prompt opens a thought (dialects.opens_thought) the answer goes on."""
+    message tells the model (None: nothing). enveloped: the output is in the `dialect`'s
+    tool-call form (calls or words), read back whole (`read`) or as it streams
+    (`reader`). opened: the prompt opens a thought (dialects.opens_thought) the answer
+    goes on."""
     grammar: str | None = None
     tools: list[dict] | None = None
     auto: bool = False

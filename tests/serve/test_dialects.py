@@ -38,8 +38,9 @@ def streamed(reader: Reader, text: str, size: int) -> dict:
 
 def test_templates_are_told_apart_by_the_markers_they_name():
     assert detect(None) == GENERIC and detect("{{ messages }} tool_calls") == GENERIC
-    assert detect("{% for t in tools %}<tool_call>{{ t }}</tool_call>{% endfor %}") == HERMES
-    assert detect("<tool_call> {{ '</think>' }}") == THINKING_HERMES
+    assert detect("{% for c in m.tool_calls %}<tool_call>{{ c }}</tool_call>{% endfor %}") == HERMES
+    assert detect("<tool_call> {{ m.tool_calls }} {{ '</think>' }}") == THINKING_HERMES
+    assert detect("<tool_call>, but no calls rendered") == GENERIC
     assert detect("{{ '</think>' }}").thinks and not detect("{{ '</think>' }}").tells_tools
 
 
