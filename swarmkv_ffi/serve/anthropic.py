@@ -5,8 +5,9 @@ As with the Responses API (openai_responses.py), a Messages request is read
 the one internal request type, a chat completion request (`to_chat`), and run as chat
 completions run; `MessagesShape` writes the answer as a `message` with content blocks,
 or as the events the `anthropic` SDK reads (`event:` lines: message_start,
-content_block_start, content_block_delta with text_delta or input_json_delta,
-content_block_stop, message_delta with stop_reason and usage, message_stop, ping).
+content_block_start, content_block_delta with text_delta, thinking_delta or
+input_json_delta as the answer is generated, content_block_stop, message_delta with
+stop_reason and usage, message_stop, ping).
 
 Usage follows Anthropic's split: `input_tokens` are the prompt tokens not read from
 cache, `cache_read_input_tokens` those forked from the key's cached cells (or restored
@@ -25,6 +26,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from .calls import Call, Choice
+from .dialects import Blocks, Part, Reader
 from .errors import Refused, anthropic_error_body, validated
 from .openai_responses import Unsupported
 from .responses import sse_event
@@ -239,7 +241,8 @@ class MessagesShape:
 
     def __init__(self, model: str):
         self.model, self.id = model, f"msg_{uuid.uuid4().hex[:24]}"
-        self.text_open = False              # a streamed text block (index 0) is open
+        self._read: Reader | None = None     # a stream's reader of the answer, and its blocks
+        self._stream = Blocks()
 
     def _usage(self, call: Call) -> dict:
         u = call.usage()
@@ -282,53 +285,48 @@ class MessagesShape:
             "stop_reason": None, "stop_sequence": None, "usage": usage}})
         yield sse_event("ping", {"type": "ping"})
 
-    def _open_text(self):
-        if not self.text_open:
-            self.text_open = True
-            yield sse_event("content_block_start", {"type": "content_block_start", "index": 0,
-                                                    "content_block": {"type": "text", "text": ""}})
-
-    def _text_delta(self, index: int, text: str) -> str:
-        return sse_event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                 "delta": {"type": "text_delta", "text": text}})
-
     def piece(self, call: Call, choice: Choice, text: str):
-        if call.structure.held or not text:
-            return
-        yield from self._open_text()
-        yield self._text_delta(0, text)
+        """The blocks as the reader splits the answer (dialects.Blocks): a thinking block,
+        text, each tool_use, each started when its first part is generated."""
+        if text:
+            for event in self._stream.feed(self._reader(call).feed(text)):
+                yield from self._streamed(event)
+
+    def _reader(self, call: Call) -> Reader:
+        if self._read is None:
+            self._read = call.structure.reader()
+        return self._read
 
     def ending(self, call: Call, choice: Choice):
-        reply = call.structure.read(choice.text.sent)
-        if not call.structure.held:
-            yield from self._open_text()
-            yield sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
-        else:
-            for index, block in enumerate(self._blocks(reply)):
-                yield from self._streamed_block(index, block)
-        reason, sequence = self._stop(choice, reply)
+        events = self._stream.feed(self._reader(call).finish())
+        if not self._stream.blocks:              # nothing said: an empty text block
+            events += self._stream.feed([Part("content", "")])
+        for event in events + self._stream.close():
+            yield from self._streamed(event)
+        reason, sequence = self._stop(choice, self._stream.reply())
         usage = self._usage(call)
         yield sse_event("message_delta", {"type": "message_delta", "usage": usage,
                                           "delta": {"stop_reason": reason, "stop_sequence": sequence}})
         yield sse_event("message_stop", {"type": "message_stop"})
 
-    def _streamed_block(self, index: int, block: dict):
-        """A block of an answer read whole: started, one delta, stopped."""
-        if block["type"] == "thinking":
-            yield sse_event("content_block_start", {"type": "content_block_start", "index": index,
-                                                    "content_block": {"type": "thinking", "thinking": ""}})
-            yield sse_event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                "type": "thinking_delta", "thinking": block["thinking"]}})
-        elif block["type"] == "text":
-            yield sse_event("content_block_start", {"type": "content_block_start", "index": index,
-                                                    "content_block": {"type": "text", "text": ""}})
-            yield self._text_delta(index, block["text"])
+    @staticmethod
+    def _streamed(event: tuple):
+        """The Messages events of one block event: content_block_start, _delta, _stop."""
+        what, block = event[0], event[1]
+        if what == "open":
+            started = {"content": {"type": "text", "text": ""}, "reasoning": {"type": "thinking", "thinking": ""},
+                       "call": {"type": "tool_use", "id": f"toolu_{block.id.removeprefix('call_')}",
+                                "name": block.name, "input": {}}}[block.kind]
+            yield sse_event("content_block_start", {"type": "content_block_start", "index": block.index,
+                                                    "content_block": started})
+        elif what == "delta":
+            delta = {"content": {"type": "text_delta", "text": event[2]},
+                     "reasoning": {"type": "thinking_delta", "thinking": event[2]},
+                     "call": {"type": "input_json_delta", "partial_json": event[2]}}[block.kind]
+            yield sse_event("content_block_delta", {"type": "content_block_delta", "index": block.index,
+                                                    "delta": delta})
         else:
-            yield sse_event("content_block_start", {"type": "content_block_start", "index": index,
-                                                    "content_block": dict(block, input={})})
-            yield sse_event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                "type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
-        yield sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
+            yield sse_event("content_block_stop", {"type": "content_block_stop", "index": block.index})
 
     def closing(self, call: Call):
         return ()

@@ -225,6 +225,7 @@ class Reader:
     def __init__(self, dialect: Dialect, tools: bool, opened: bool = False):
         self.dialect, self.tools = dialect, tools
         self.thought = "open" if opened else ("maybe" if dialect.thinks else "none")
+        self.thought_said = False  # a piece of the thought has gone out
         self.pending = ""          # text held back: a marker may be forming
         self.state = "text"        # for the calls: text, call, after (a call), envelope, held
         self.scanner: CallScanner | None = None
@@ -245,7 +246,7 @@ class Reader:
         out: list[Part] = []
         rest, self.pending = self.pending, ""
         if self.thought == "open":
-            out.append(Part("reasoning", rest))
+            out.append(Part("reasoning", self._thought(rest.rstrip())))
             return [p for p in out if p.text]
         if self.thought in ("maybe", "closed"):
             self.thought = "none"
@@ -278,13 +279,22 @@ class Reader:
             return
         before, closed, after = self.pending.partition(THINK_CLOSE)
         if closed:
-            out.append(Part("reasoning", before))
+            out.append(Part("reasoning", self._thought(before.rstrip())))
             self.pending, self.thought = after, "closed"
             self._thoughts(out)
             return
         keep = held_back(self.pending, THINK_CLOSE)
-        out.append(Part("reasoning", self.pending[:len(self.pending) - keep]))
-        self.pending = self.pending[len(self.pending) - keep:]
+        text = self.pending[:len(self.pending) - keep]
+        said = text.rstrip()                  # whitespace held: it may be the thought's last
+        out.append(Part("reasoning", self._thought(said)))
+        self.pending = self.pending[len(said):]
+
+    def _thought(self, text: str) -> str:
+        """A piece of the thought, its leading whitespace dropped as the whole read strips it."""
+        if not self.thought_said:
+            text = text.lstrip()
+            self.thought_said = bool(text)
+        return text
 
     def _answer(self, text: str, out: list[Part]) -> None:
         if not self.tools:
@@ -300,7 +310,9 @@ class Reader:
             if self.state == "text":
                 before, opened, after = text.partition(CALL_OPEN)
                 if not opened:
-                    keep = len(text) if self.n_calls and not text.strip() else held_back(text, CALL_OPEN)
+                    keep = held_back(text, CALL_OPEN)
+                    if self.n_calls and not text[:len(text) - keep].strip():
+                        keep = len(text)       # only whitespace between calls so far: not words yet
                     out.append(Part("content", text[:len(text) - keep]))
                     self.pending = text[len(text) - keep:]
                     return
@@ -353,3 +365,52 @@ class Reader:
                 self.state = "between"
             else:
                 return
+
+
+@dataclass
+class Block:
+    """One block of a streamed answer: kind "content", "reasoning" or "call"; its text so
+    far (a call's: its arguments); `id` and `name` a call's."""
+    index: int
+    kind: str
+    id: str = ""
+    name: str = ""
+    text: str = ""
+
+
+class Blocks:
+    """An answer's parts as the blocks the Responses and Messages APIs stream (a thought,
+    words, each call, in the order written): a part of another kind, or a new call, closes
+    the open block and opens the next. Events: ("open", block), ("delta", block, text),
+    ("close", block)."""
+
+    def __init__(self):
+        self.blocks: list[Block] = []
+        self.open: Block | None = None
+
+    def feed(self, parts: list[Part]) -> list[tuple]:
+        out = []
+        for p in parts:
+            kind = "call" if p.kind == "arguments" else p.kind
+            if p.kind == "call" or self.open is None or self.open.kind != kind:
+                out += self.close()
+                self.open = Block(len(self.blocks), kind, p.id, p.text if p.kind == "call" else "")
+                self.blocks.append(self.open)
+                out.append(("open", self.open))
+                if p.kind == "call":
+                    continue
+            self.open.text += p.text
+            out.append(("delta", self.open, p.text))
+        return out
+
+    def close(self) -> list[tuple]:
+        block, self.open = self.open, None
+        return [] if block is None else [("close", block)]
+
+    def reply(self) -> Reply:
+        """The answer the blocks streamed, as a whole answer (what a stream's last event
+        and a stored response hold)."""
+        calls = [ToolCall(b.id, b.name, b.text) for b in self.blocks if b.kind == "call"]
+        words = "".join(b.text for b in self.blocks if b.kind == "content")
+        thought = "".join(b.text for b in self.blocks if b.kind == "reasoning")
+        return Reply(words or (None if calls else ""), calls, thought or None)

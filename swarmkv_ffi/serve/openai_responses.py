@@ -20,13 +20,13 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
-from . import telemetry
+from . import dialects, telemetry
 from .calls import Call, Choice
+from .dialects import Block, Blocks, Reader, Reply
 from .errors import Refused, validated
 from .responses import sse_event
 from .schemas import STRICT, ChatRequest, FunctionDef, JsonObjectFormat, JsonSchemaSpec, TextFormat
 from .stored import StoredResponses
-from .structured import Reply
 
 NOT_IMAGES = "image input is not supported: this server runs text models"
 #: The header naming a stored response in its answer (the Ray ingress routes its next turn by it).
@@ -249,8 +249,9 @@ class ResponsesShape:
     content_part.done, (a function call) function_call_arguments.delta and .done,
     ...output_item.done; last response.completed, or response.incomplete when
     max_output_tokens cut the answer (OpenAI's status `incomplete`). Every event carries
-    its `sequence_number`. An answer that may hold calls or a thought is read whole at its
-end (structured.Structure.held)."""
+    its `sequence_number`. A stream reads the answer as it comes (dialects.Reader): a
+thinking model's thought is a reasoning item, then the words, then each call, each item
+opened when its first part is generated."""
 
     def __init__(self, body: ResponsesRequest, model: str, owner: int, store: StoredResponses | None,
                  turns: list[dict]):
@@ -260,6 +261,9 @@ end (structured.Structure.held)."""
         self.created = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.sequence = 0
+        self._read: Reader | None = None          # a stream's reader of the answer, and its blocks
+        self._blocks = Blocks()
+        self._ids: dict[int, str] = {}             # a block's item id
 
     # ---- the response object ----
 
@@ -301,19 +305,24 @@ end (structured.Structure.held)."""
                 "name": name, "arguments": arguments, "status": status}
 
     def _output(self, reply: Reply) -> list[dict]:
-        """A thought as a reasoning item (a thinking model's, dialects.py), then the calls or the words."""
-        thought = [{"type": "reasoning", "id": f"rs_{self.id.removeprefix('resp_')}", "summary": [],
-                    "content": [{"type": "reasoning_text", "text": reply.reasoning}]}] if reply.reasoning else []
-        if reply.tool_calls:
-            return thought + [self._function_call(t.id, t.name, t.arguments, "completed") for t in reply.tool_calls]
-        return thought + [self._message(reply.content or "", "completed")]
+        """A thought as a reasoning item (a thinking model's, dialects.py), the words, the calls."""
+        out = [self._reasoning(f"rs_{self.id.removeprefix('resp_')}", reply.reasoning)] if reply.reasoning else []
+        if reply.content or not reply.tool_calls:
+            out.append(self._message(reply.content or "", "completed"))
+        return out + [self._function_call(t.id, t.name, t.arguments, "completed") for t in reply.tool_calls]
 
-    def _final(self, call: Call) -> tuple[dict, str]:
-        """(the finished response, its status), kept in the store when asked."""
+    @staticmethod
+    def _reasoning(item_id: str, text: str) -> dict:
+        return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+    def _final(self, call: Call, streamed: Blocks | None = None) -> tuple[dict, str]:
+        """(the finished response, its status), kept in the store when asked: the answer
+        read whole, or the items a stream sent."""
         choice = call.choices[0]
-        reply = call.structure.read(choice.text.sent)
+        reply = call.structure.read(choice.text.sent) if streamed is None else streamed.reply()
         status = "incomplete" if choice.finish_reason(reply) == "length" else "completed"
-        response = self._response(call, status, self._output(reply), self._usage(call))
+        output = self._output(reply) if streamed is None else [self._item(b, "completed") for b in streamed.blocks]
+        response = self._response(call, status, output, self._usage(call))
         if self.body.store and self.store is not None:
             self.store.put(self.owner, self.id, self.turns + answered(reply), response)
         return response, status
@@ -327,69 +336,87 @@ end (structured.Structure.held)."""
         self.sequence += 1
         return sse_event(kind, {"type": kind, "sequence_number": self.sequence - 1, **fields})
 
-    def _text_item(self) -> dict:
-        return dict(item_id=self.message_id, output_index=0, content_index=0)
-
     def opening(self, call: Call):
         started = self._response(call, "in_progress", [], None)
         yield self._event("response.created", response=started)
         yield self._event("response.in_progress", response=started)
-        if not call.structure.held:
-            yield self._event("response.output_item.added", output_index=0, item=self._message("", "in_progress"))
-            yield self._event("response.content_part.added", **self._text_item(), part=self._part(""))
 
     def piece(self, call: Call, choice: Choice, text: str):
+        """The items as the reader splits the answer (dialects.Blocks): each opened when
+        its first part comes, its text, thought or arguments as they are generated."""
         if self.body.return_progress and not choice.progressed:
             choice.progressed = True
             yield self._event("response.in_progress", response=self._response(call, "in_progress", [], None),
                               prompt_progress=telemetry.progress(call, choice), **self._timings(call, choice))
-        if call.structure.held or not text:
-            return
-        yield self._event("response.output_text.delta", **self._text_item(), delta=text, logprobs=[],
-                          **self._timings(call, choice))
+        if text:
+            for event in self._blocks.feed(self._reader(call).feed(text)):
+                yield from self._streamed(event, self._timings(call, choice))
+
+    def _reader(self, call: Call) -> Reader:
+        if self._read is None:
+            self._read = call.structure.reader()
+        return self._read
 
     def _timings(self, call: Call, choice: Choice) -> dict:
         return {"timings": telemetry.timings(call, choice)} if self.body.timings_per_token else {}
 
     def ending(self, call: Call, choice: Choice):
-        response, status = self._final(call)
-        if not call.structure.held:
-            text = response["output"][0]["content"][0]["text"]
-            yield self._event("response.output_text.done", **self._text_item(), text=text, logprobs=[])
-            yield self._event("response.content_part.done", **self._text_item(), part=self._part(text))
-            yield self._event("response.output_item.done", output_index=0, item=response["output"][0])
-        else:
-            for index, item in enumerate(response["output"]):
-                yield from self._streamed_item(index, item, self._timings(call, choice))
+        events = self._blocks.feed(self._reader(call).finish())
+        if not self._blocks.blocks:              # nothing said: an empty message
+            events += self._blocks.feed([dialects.Part("content", "")])
+        for event in events + self._blocks.close():
+            yield from self._streamed(event, {})
+        response, status = self._final(call, self._blocks)
         yield self._event(f"response.{status}", response=response, timings=telemetry.timings(call, choice))
 
-    def _streamed_item(self, index: int, item: dict, timings: dict):
-        """One output item of an answer read whole: opened, its text, thought or
-        arguments in one delta (with the timings when asked), closed."""
-        if item["type"] == "reasoning":
-            text = item["content"][0]["text"]
-            yield self._event("response.output_item.added", output_index=index, item=dict(item, content=[]))
-            yield self._event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
-                              content_index=0, delta=text)
-            yield self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                              content_index=0, text=text)
-        elif item["type"] == "message":
-            text = item["content"][0]["text"]
-            where = dict(item_id=item["id"], output_index=index, content_index=0)
-            yield self._event("response.output_item.added", output_index=index, item=dict(item, content=[],
-                                                                                          status="in_progress"))
-            yield self._event("response.content_part.added", **where, part=self._part(""))
-            yield self._event("response.output_text.delta", **where, delta=text, logprobs=[], **timings)
-            yield self._event("response.output_text.done", **where, text=text, logprobs=[])
-            yield self._event("response.content_part.done", **where, part=self._part(text))
+    def _item_id(self, block: Block) -> str:
+        if block.kind == "call":
+            return f"fc_{block.id.removeprefix('call_')}"
+        if block.index not in self._ids:
+            first = block.kind == "content" and self.message_id not in self._ids.values()
+            self._ids[block.index] = self.message_id if first else f"{'msg' if block.kind == 'content' else 'rs'}_" \
+                f"{uuid.uuid4().hex}"
+        return self._ids[block.index]
+
+    def _item(self, block: Block, status: str) -> dict:
+        """The output item a block is, as the response holds it (`status` for its state)."""
+        item_id = self._item_id(block)
+        if block.kind == "call":
+            return self._function_call(block.id, block.name, block.text, status)
+        if block.kind == "reasoning":
+            return self._reasoning(item_id, block.text)
+        return dict(self._message(block.text, status), id=item_id)
+
+    def _streamed(self, event: tuple, timings: dict):
+        """The Responses events of one block event: an item opened, a piece, closed."""
+        what, block = event[0], event[1]
+        where = dict(item_id=self._item_id(block), output_index=block.index)
+        if what == "open":
+            item = self._item(block, "in_progress")
+            if block.kind == "content":
+                item["content"] = []
+            elif block.kind == "reasoning":
+                item = dict(item, content=[])
+            yield self._event("response.output_item.added", output_index=block.index, item=item)
+            if block.kind == "content":
+                yield self._event("response.content_part.added", **where, content_index=0, part=self._part(""))
+        elif what == "delta":
+            kind = {"content": "response.output_text.delta", "reasoning": "response.reasoning_text.delta",
+                    "call": "response.function_call_arguments.delta"}[block.kind]
+            extra = dict(content_index=0, logprobs=[], **timings) if block.kind == "content" else \
+                dict(content_index=0) if block.kind == "reasoning" else {}
+            yield self._event(kind, **where, delta=event[2], **extra)
         else:
-            yield self._event("response.output_item.added", output_index=index,
-                              item=dict(item, arguments="", status="in_progress"))
-            yield self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                              delta=item["arguments"])
-            yield self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                              name=item["name"], arguments=item["arguments"])
-        yield self._event("response.output_item.done", output_index=index, item=item)
+            item = self._item(block, "completed")
+            if block.kind == "content":
+                yield self._event("response.output_text.done", **where, content_index=0, text=block.text, logprobs=[])
+                yield self._event("response.content_part.done", **where, content_index=0, part=self._part(block.text))
+            elif block.kind == "reasoning":
+                yield self._event("response.reasoning_text.done", **where, content_index=0, text=block.text)
+            else:
+                yield self._event("response.function_call_arguments.done", **where, name=block.name,
+                                  arguments=block.text)
+            yield self._event("response.output_item.done", output_index=block.index, item=item)
 
     def closing(self, call: Call):
         return ()

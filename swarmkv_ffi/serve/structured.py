@@ -88,12 +88,6 @@ class Structure:
         reply.reasoning = thought
         return reply
 
-    @property
-    def held(self) -> bool:
-        """Is the answer read whole at its end by the fronts that do not read it as it
-        comes (Responses, Messages): it may hold calls or a thought."""
-        return self.enveloped or self.dialect.thinks or self.opened
-
     def reader(self) -> Reader:
         """A stream's reader of one choice's answer (dialects.Reader)."""
         return Reader(self.dialect, tools=self.enveloped, opened=self.opened)

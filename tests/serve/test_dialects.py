@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from swarmkv_ffi.serve.dialects import (Dialect, Reader, detect, opens_thought, read_generic, read_hermes,
+from swarmkv_ffi.serve.dialects import (Blocks, Dialect, Reader, detect, opens_thought, read_generic, read_hermes,
                                         split_thought)
 
 pytestmark = pytest.mark.unit
@@ -106,7 +106,9 @@ def test_a_thought_is_split_off_the_answer(size):
     text = "<think>\nweigh it </thin up</think>\n\nThe answer."
     assert split_thought(text, opened=False) == ("weigh it </thin up", "The answer.")
     got = streamed(Reader(Dialect(thinks=True), tools=False), text, size)
-    assert (got["reasoning"].strip(), got["content"]) == ("weigh it </thin up", "The answer.")
+    assert (got["reasoning"], got["content"]) == ("weigh it </thin up", "The answer.")
+    spaced = streamed(Reader(Dialect(thinks=True), tools=False, opened=True), "\n a \n b \n", size)
+    assert spaced["reasoning"] == split_thought("\n a \n b \n", opened=True)[0] == "a \n b"
 
 
 def test_a_thought_the_prompt_opened_runs_to_its_close_or_the_end():
@@ -127,3 +129,19 @@ def test_a_thought_then_a_hermes_call():
     text = "<think>need weather</think>\n" + CALL
     got = streamed(Reader(THINKING_HERMES, tools=True), text, 2)
     assert got["reasoning"] == "need weather" and got["calls"] == [("get_weather", ARGS)] and got["content"] == ""
+
+
+def test_blocks_open_one_per_thought_words_and_call_in_the_order_written():
+    """What the Responses and Messages streams send: each block opened by its first part,
+    closed by a part of another kind or a new call; the reply they make is the answer."""
+    reader, blocks = Reader(THINKING_HERMES, tools=True), Blocks()
+    text = "<think>hm</think>Sure.\n" + CALL + "\n" + CALL.replace("Oslo", "Rome")
+    events = [e for ch in text for e in blocks.feed(reader.feed(ch))] + blocks.feed(reader.finish()) + blocks.close()
+    opened = [(e[1].index, e[1].kind) for e in events if e[0] == "open"]
+    assert opened == [(0, "reasoning"), (1, "content"), (2, "call"), (3, "call")]
+    assert [e[1].index for e in events if e[0] == "close"] == [0, 1, 2, 3]
+    assert sum(1 for e in events if e[0] == "delta" and e[1].index == 2) > 1
+    reply = blocks.reply()
+    assert (reply.reasoning, reply.content.strip()) == ("hm", "Sure.")
+    assert [(c.name, json.loads(c.arguments)) for c in reply.tool_calls] == \
+        [(c.name, json.loads(c.arguments)) for c in read_hermes(text.split("</think>")[1]).tool_calls]

@@ -8,6 +8,7 @@ reasoning_content. Exact mode: the same request streamed and whole gives the sam
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import jsonschema
 import pytest
@@ -156,7 +157,7 @@ def test_a_thought_the_prompt_opens_is_reasoning_content_whole_and_streamed(clie
         delta = chunk.choices[0].delta if chunk.choices else None
         assert delta is None or not delta.content
         thought += (getattr(delta, "reasoning_content", None) or "") if delta else ""
-    assert thought.strip() == whole.reasoning_content
+    assert thought == whole.reasoning_content
 
 
 def test_a_thought_closed_in_the_answer_splits_it(client):
@@ -200,3 +201,33 @@ def test_reasoning_format_none_leaves_the_thought_in_the_text(tmp_path, client):
                log=tmp_path / "serve.log") as plain:
         message = ask(plain.client(), max_tokens=24, messages=hello).choices[0].message
     assert message.content.strip() == thought and getattr(message, "reasoning_content", None) is None
+
+
+def test_the_responses_and_messages_apis_stream_a_calls_arguments_as_written(server, client):
+    """A required call through each API's SDK: a call's arguments arrive in more than
+    one delta, and the streamed call equals the unstreamed one (exact mode)."""
+    import anthropic
+    question = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+             for t in TOOLS]
+    kw = dict(model=MODEL, input=question, tools=tools, tool_choice="required", max_output_tokens=64, temperature=0)
+    whole = client.responses.create(**kw).output[0]
+    events = list(client.responses.create(stream=True, **kw))
+    per_call = Counter(e.output_index for e in events if e.type == "response.function_call_arguments.delta")
+    assert max(per_call.values()) > 1
+    streamed = events[-1].response.output[0]
+    assert streamed.type == whole.type == "function_call" and streamed.name == whole.name
+    assert json.loads(streamed.arguments) == json.loads(whole.arguments)
+    jsonschema.validate(json.loads(whole.arguments), PARAMETERS[whole.name])
+
+    messages = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=300).messages
+    kw = dict(model=MODEL, max_tokens=64, messages=question, tool_choice={"type": "any"},
+              tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS],
+              extra_body={"temperature": 0})
+    whole = messages.create(**kw).content[0]
+    with messages.stream(**kw) as stream:
+        pieces = Counter(e.index for e in stream
+                         if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
+        streamed = stream.get_final_message().content[0]
+    assert max(pieces.values()) > 1 and streamed.type == whole.type == "tool_use"
+    assert (streamed.name, streamed.input) == (whole.name, whole.input)
