@@ -39,7 +39,7 @@ class HostedModel:
     host_tier: HostTier | None
     default_max_tokens: int
     chat_template: str | None = None
-    reads_thoughts: bool = True          # --reasoning-format deepseek
+    reads_thoughts: bool = True          # --reasoning-format auto or deepseek
     _embedder: Embedder | None = None
     _embedder_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 

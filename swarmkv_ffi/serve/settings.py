@@ -52,7 +52,7 @@ class Settings:
     stored_responses_ttl: float = 3600.0     # seconds unused before one is forgotten
     keep_billing_header: bool = False        # keep a system prompt's billing header (volatile.py)
     chat_template_file: Path | None = None   # a Jinja chat template instead of the model's own
-    reasoning_format: str = "deepseek"       # a thinking model's thought: reasoning_content, or "none" (dialects.py)
+    reasoning_format: str = "auto"           # a thinking model's thought: reasoning_content, or "none" (dialects.py)
 
     @property
     def served_names(self) -> str:
@@ -254,10 +254,10 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
     flag("chat-template-file", type=Path, default=d.chat_template_file, metavar="FILE",
          help="a Jinja chat template to render the model's chats with instead of the one in its GGUF "
               "(as llama-server's flag; one model only)")
-    flag("reasoning-format", choices=["deepseek", "none"], default=d.reasoning_format,
-         help="a thinking model's thought (its template names <think>): 'deepseek' splits it into "
-              "reasoning_content (a reasoning item, a thinking block), 'none' leaves it in the answer's "
-              "text, as llama-server's flag (default: %(default)s)")
+    flag("reasoning-format", choices=["auto", "deepseek", "none"], default=d.reasoning_format,
+         help="a thinking model's thought (its template names <think>): 'auto' or 'deepseek' split it "
+              "into reasoning_content (a reasoning item, a thinking block), 'none' leaves it in the "
+              "answer's text, as llama-server's flag (default: %(default)s)")
     flag("idle-connections-per-address", type=int, default=d.idle_connections_per_address, metavar="N",
          help="connections one client address may hold open without a request; a newer one closes "
               "its oldest (default: %(default)s)")
