@@ -9,6 +9,9 @@ llama.cpp's chat parser tells it: by the markers the template names).
       <tool_call>
       {"name": "lookup", "arguments": {...}}
       </tool_call>
+- Llama 3.x (templates with an `ipython` turn): the template tells the tools, and the
+  model answers either in words or with one call, the whole answer
+      {"name": "lookup", "parameters": {...}}
 - Thoughts: a template that names `<think>` or `</think>` (Qwen3, QwQ, DeepSeek R1 and its distills)
   marks a thinking model; what it writes between <think> and </think> (or from the start
   of its answer to </think>, when the prompt itself opens the thought) is the message's
@@ -30,7 +33,8 @@ from dataclasses import dataclass, field
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 #: the start of a call object in either form, name first, as the grammars write it
-HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+LLAMA3_MARK = "<|start_header_id|>ipython<|end_header_id|>"   # the tool results' turn, as llama.cpp detects it
 HEAD_MAX = 200          # characters past which a call's name is no longer looked for
 ENVELOPE = '{"tool_calls": ['   # the generic form's opening, as its grammar writes it
 
@@ -66,14 +70,14 @@ def call_id() -> str:
 
 @dataclass(frozen=True)
 class Dialect:
-    """A template's tool-call form ("generic" or "hermes") and whether it thinks."""
+    """A template's tool-call form ("generic", "hermes" or "llama3") and whether it thinks."""
     calls: str = "generic"
     thinks: bool = False
 
     @property
     def tells_tools(self) -> bool:
         """Does the template tell the model the tools and their form itself?"""
-        return self.calls == "hermes"
+        return self.calls != "generic"
 
 
 def detect(source: str | None) -> Dialect:
@@ -81,7 +85,10 @@ def detect(source: str | None) -> Dialect:
     template names its call form only where it also renders calls (`tool_calls`), as
     templates.knows_tools asks: one that does not is told the generic form instead."""
     source = source or ""
-    return Dialect(calls="hermes" if CALL_OPEN in source and "tool_calls" in source else "generic",
+    renders = "tool_calls" in source
+    calls = "hermes" if renders and CALL_OPEN in source else "llama3" if renders and LLAMA3_MARK in source \
+        else "generic"
+    return Dialect(calls=calls,
                    thinks=THINK_OPEN in source or THINK_CLOSE in source)
 
 
@@ -115,6 +122,20 @@ def read_generic(text: str) -> Reply:
         return Reply(None, [ToolCall(call_id(), c["name"], json.dumps(c["arguments"])) for c in answer["tool_calls"]])
     response = answer.get("response")
     return Reply(response if isinstance(response, str) else json.dumps(response))
+
+
+def read_llama3(text: str) -> Reply:
+    """One call as the whole answer, or words."""
+    try:
+        call = json.loads(text)
+        return Reply(None, [ToolCall(call_id(), call["name"], json.dumps(call["parameters"]))])
+    except (ValueError, KeyError, TypeError):
+        return Reply(text)
+
+
+def read(dialect: Dialect, text: str) -> Reply:
+    """A whole answer in the dialect's call form."""
+    return {"hermes": read_hermes, "llama3": read_llama3}.get(dialect.calls, read_generic)(text)
 
 
 def read_hermes(text: str) -> Reply:
@@ -212,7 +233,7 @@ class CallScanner:
         try:
             call = json.loads(self.text)
             return [Part("call", call["name"], self.index, self.id),
-                    Part("arguments", json.dumps(call["arguments"]), self.index)]
+                    Part("arguments", json.dumps(call.get("arguments", call.get("parameters"))), self.index)]
         except (ValueError, KeyError, TypeError):
             return [Part("content", self.text)]
 
@@ -301,8 +322,29 @@ class Reader:
             out.append(Part("content", text))
         elif self.dialect.calls == "hermes":
             self._hermes(text, out)
+        elif self.dialect.calls == "llama3":
+            self._llama3(text, out)
         else:
             self._generic(text, out)
+
+    def _llama3(self, text: str, out: list[Part]) -> None:
+        """A call object from the first character, else words."""
+        if self.state == "text":
+            if not text.strip():
+                self.pending = text
+                return
+            if text.lstrip().startswith("{"):
+                self.scanner, self.state = CallScanner(0), "call"
+                self.n_calls = 1
+            else:
+                self.state = "words"
+        if self.state == "words":
+            out.append(Part("content", text))
+        elif self.state == "call":
+            parts, rest = self.scanner.feed(text)
+            out += parts
+            if rest is not None:
+                self.state = "done"
 
     def _hermes(self, text: str, out: list[Part]) -> None:
         """Words until <tool_call>, a call object, its </tool_call>, and so on."""

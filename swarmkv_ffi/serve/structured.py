@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from llguidance.gbnf_to_lark import any_to_lark
 
 from .. import grammar as grammars
-from .dialects import CALL_CLOSE, CALL_OPEN, Dialect, Reader, Reply, read_generic, read_hermes, split_thought
+from . import dialects
+from .dialects import CALL_CLOSE, CALL_OPEN, Dialect, Reader, Reply, split_thought
 from .errors import Refused
 
 MAX_GRAMMAR_CHARS = 32 << 10
@@ -83,8 +84,7 @@ class Structure:
         thought = None
         if self.dialect.thinks or self.opened:
             thought, text = split_thought(text, self.opened)
-        reply = Reply(text) if not self.enveloped else \
-            read_hermes(text) if self.dialect.calls == "hermes" else read_generic(text)
+        reply = dialects.read(self.dialect, text) if self.enveloped else Reply(text)
         reply.reasoning = thought
         return reply
 
@@ -130,21 +130,52 @@ def plan(body, parallel_default: bool = False, dialect: Dialect = Dialect()) -> 
     parallel = parallel and not named
     if dialect.calls == "hermes":
         grammar = hermes_grammar(offered, auto, parallel, response)
+    elif dialect.calls == "llama3":
+        parallel = False          # the form has one call, as llama.cpp's handler has it
+        grammar = llama3_grammar(offered, auto, response)
     else:
         grammar = _compile(envelope(offered, auto=auto, parallel=parallel, response=response), "tools")
     return Structure(grammar=grammar, tools=tool_dicts, auto=auto, enveloped=True, dialect=dialect,
                      response_is_json=response is not None, parallel=parallel, param="tools")
 
 
+def llama3_grammar(functions: list[dict], auto: bool, response: dict | None) -> str:
+    """The Lark grammar of Llama 3.x's call: the whole answer one JSON object with the
+    tool's name and its `parameters`; `auto` also allows words (JSON by `response`, when
+    given) that do not open an object."""
+    call = _bounded(grammars.json_rule({"anyOf": [_call_schema(f, "parameters") for f in functions]}))
+    rules = [f"call: {call}"]
+    if not auto:
+        start = "start: call"
+    elif response is not None:
+        start = "start: call | answer"
+        rules.append(f"answer: {grammars.json_rule(response)}")
+    else:
+        start = "start: call | WORDS"
+        rules.append("WORDS: /(.|\\n)+/ & ~/\\s*\\{(.|\\n)*/")
+    return _tools_lark([start] + rules)
+
+
+def _bounded(rule: str) -> str:
+    """A tools grammar's JSON rule, refused past MAX_SCHEMA_BYTES (a 400 naming tools)."""
+    if len(rule) > MAX_SCHEMA_BYTES:
+        raise Refused(400, f"tools: the schema is {len(rule)} bytes as JSON, over this server's limit of "
+                      f"{MAX_SCHEMA_BYTES}", "schema_too_large", "tools")
+    return rule
+
+
+def _tools_lark(lines: list[str]) -> str:
+    try:
+        return grammars.lark("\n".join(lines) + "\n")
+    except ValueError as exc:
+        raise Refused(400, f"tools: {exc}", "invalid_schema", "tools") from None
+
+
 def hermes_grammar(functions: list[dict], auto: bool, parallel: bool, response: dict | None) -> str:
     """The Lark grammar of calls in Hermes' form: <tool_call>, a call's JSON object, a
     newline and </tool_call>, once or (`parallel`) more times; `auto` also allows words
     (JSON by `response`, when given) instead, or words before the calls."""
-    call = grammars.json_rule({"anyOf": [_call_schema(f) for f in functions]})
-    size = len(call)
-    if size > MAX_SCHEMA_BYTES:
-        raise Refused(400, f"tools: the schema is {size} bytes as JSON, over this server's limit of "
-                      f"{MAX_SCHEMA_BYTES}", "schema_too_large", "tools")
+    call = _bounded(grammars.json_rule({"anyOf": [_call_schema(f) for f in functions]}))
     opening, closing = json.dumps(CALL_OPEN + "\n"), json.dumps("\n" + CALL_CLOSE)
     more = f' ("\\n" {opening} call {closing})*' if parallel else ""
     rules = [f"calls: call {closing}{more}", f"call: {call}"]
@@ -157,10 +188,7 @@ def hermes_grammar(functions: list[dict], auto: bool, parallel: bool, response: 
         start = "start: WORDS | lead calls"
         rules += [f"lead[lazy]: /(.|\\n)*{re.escape(CALL_OPEN)}\\n/",
                   f"WORDS: /(.|\\n)+/ & ~/(.|\\n)*{re.escape(CALL_OPEN)}(.|\\n)*/"]
-    try:
-        return grammars.lark("\n".join([start] + rules) + "\n")
-    except ValueError as exc:
-        raise Refused(400, f"tools: {exc}", "invalid_schema", "tools") from None
+    return _tools_lark([start] + rules)
 
 
 def envelope(functions: list[dict], auto: bool, parallel: bool, response: dict | None = None) -> dict:
@@ -192,10 +220,11 @@ def _response_schema(fmt, extra: dict | None = None) -> dict | None:
     return fmt.json_schema.schema_ or {}
 
 
-def _call_schema(function: dict) -> dict:
+def _call_schema(function: dict, key: str = "arguments") -> dict:
+    """One call of `function`: its name, and its parameters under `key`."""
     parameters = function.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-            "required": ["name", "arguments"]}
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, key: parameters},
+            "required": ["name", key]}
 
 
 def _compile(schema: dict, param: str) -> str:

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from swarmkv_ffi.serve.dialects import (Blocks, Dialect, Reader, detect, opens_thought, read_generic, read_hermes,
-                                        split_thought)
+                                        read_llama3, split_thought)
 
 pytestmark = pytest.mark.unit
 
@@ -145,3 +145,19 @@ def test_blocks_open_one_per_thought_words_and_call_in_the_order_written():
     assert (reply.reasoning, reply.content.strip()) == ("hm", "Sure.")
     assert [(c.name, json.loads(c.arguments)) for c in reply.tool_calls] == \
         [(c.name, json.loads(c.arguments)) for c in read_hermes(text.split("</think>")[1]).tool_calls]
+
+
+LLAMA3 = Dialect("llama3")
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_a_llama3_answer_is_one_call_or_words(size):
+    call = '{"name": "get_weather", "parameters": {"city": "Oslo", "days": [1]}}'
+    assert [(c.name, json.loads(c.arguments)) for c in read_llama3(call).tool_calls] == \
+        [("get_weather", {"city": "Oslo", "days": [1]})]
+    got = streamed(Reader(LLAMA3, tools=True), " " + call, size)
+    assert got["calls"] == [("get_weather", {"city": "Oslo", "days": [1]})] and not got["content"].strip()
+    words = "It is sunny {maybe}."
+    assert read_llama3(words).content == words and read_llama3(call[:-2]).content == call[:-2]
+    assert streamed(Reader(LLAMA3, tools=True), words, size) == {"content": words, "reasoning": "", "calls": []}
+    assert detect("{{ m.tool_calls }}<|start_header_id|>ipython<|end_header_id|>") == LLAMA3

@@ -231,3 +231,74 @@ def test_the_responses_and_messages_apis_stream_a_calls_arguments_as_written(ser
         streamed = stream.get_final_message().content[0]
     assert max(pieces.values()) > 1 and streamed.type == whole.type == "tool_use"
     assert (streamed.name, streamed.input) == (whole.name, whole.input)
+
+
+#: Llama 3.1's template in substance: tools told in the first user turn, a call written as
+#: {"name": ..., "parameters": ...}, its result in an ipython turn.
+LLAMA3_TEMPLATE = """{{- bos_token }}
+{%- if messages[0].role == 'system' %}{% set system = messages[0].content %}{% set messages = messages[1:] %}
+{%- else %}{% set system = '' %}{% endif %}<|start_header_id|>system<|end_header_id|>
+
+{{ system }}<|eot_id|>
+{%- for message in messages %}
+{%- if message.role == 'user' %}<|start_header_id|>user<|end_header_id|>
+
+{% if loop.first and tools %}Given the following functions, respond with a JSON for a function call.
+Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.
+
+{% for t in tools %}{{ t | tojson }}
+
+{% endfor %}{% endif %}{{ message.content }}<|eot_id|>
+{%- elif message.role == 'assistant' and message.tool_calls %}<|start_header_id|>assistant<|end_header_id|>
+
+{% for call in message.tool_calls %}{"name": "{{ call.function.name }}", "parameters": \
+{{ call.function.arguments | tojson }}}{% endfor %}<|eot_id|>
+{%- elif message.role == 'assistant' %}<|start_header_id|>assistant<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{%- elif message.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory):
+    where = tmp_path_factory.mktemp("llama3")
+    (where / "llama3.jinja").write_text(LLAMA3_TEMPLATE)
+    with Serve("--exact", "--chat-template-file", str(where / "llama3.jinja"), log=where / "serve.log") as s:
+        yield s
+
+
+def test_llama3_calls_one_tool_in_its_own_form_streamed_as_written(llama3):
+    import requests
+    client = llama3.client()
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                           "arguments": '{"city": "Oslo", "unit": "celsius"}'}}
+    messages = QUESTION + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    prompt = requests.post(llama3.url + "/apply-template", json={"model": MODEL, "messages": messages,
+                                                               "tools": TOOLS}, timeout=60).json()["prompt"]
+    assert '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}' in prompt
+    assert "<|start_header_id|>ipython<|end_header_id|>\n\nsunny" in prompt and "tool_calls" not in prompt
+
+    kw = dict(tools=TOOLS, tool_choice="required", parallel_tool_calls=True)
+    whole = ask(client, **kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and len(checked(whole.message.tool_calls)) == 1
+    pieces = Counter()
+    with client.chat.completions.stream(model=MODEL, messages=QUESTION, max_tokens=64, temperature=0, **kw) as stream:
+        for event in stream:
+            if event.type == "chunk" and event.chunk.choices and event.chunk.choices[0].delta.tool_calls:
+                pieces.update(t.index for t in event.chunk.choices[0].delta.tool_calls if t.function.arguments)
+        streamed = stream.get_final_completion().choices[0]
+    assert max(pieces.values()) > 1
+    assert checked(streamed.message.tool_calls) == checked(whole.message.tool_calls)
+    for c in ask(client, tools=TOOLS, tool_choice="auto", n=4, temperature=1.0, seed=2).choices:
+        if c.message.tool_calls:
+            assert c.finish_reason == "tool_calls" and checked(c.message.tool_calls)
+        else:
+            assert not c.message.content.lstrip().startswith("{")
