@@ -126,8 +126,9 @@ class ToolChoice(BaseModel):
 
 
 class Thinking(BaseModel):
-    """Extended thinking: the models served have no thinking format, so an answer has no
-    thinking block either way (accepted so clients that always send it still run)."""
+    """Extended thinking: a thinking model's template gets enable_thinking by its type
+    (Qwen3's and DeepSeek R1's then think or close the thought at once); its thought is
+    the answer's first block. `budget_tokens` is accepted and not enforced."""
     model_config = BLOCK
     type: Literal["enabled", "disabled"]
     budget_tokens: int | None = Field(None, ge=1)
@@ -218,6 +219,8 @@ def to_chat(body: CountTokensRequest, model: str) -> ChatRequest:
         if body.output_config is not None and body.output_config.format is not None:
             chat["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": body.output_config.format.schema_}}
+    if getattr(body, "thinking", None) is not None:
+        chat["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
     choice = body.tool_choice
     if body.tools:
         chat["tools"] = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,

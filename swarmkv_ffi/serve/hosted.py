@@ -40,6 +40,7 @@ class HostedModel:
     default_max_tokens: int
     chat_template: str | None = None
     reads_thoughts: bool = True          # --reasoning-format auto or deepseek
+    thinking: bool = True                # --reasoning on or auto: the template's enable_thinking
     _embedder: Embedder | None = None
     _embedder_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -58,7 +59,7 @@ class HostedModel:
         templates.longest_token(pool.model)      # its vocabulary read now, not by the first request
         template = templates.read_file(settings.chat_template_file) if settings.chat_template_file else None
         return cls(spec.name, pool, cells, sized, tier, settings.default_max_tokens, template,
-                   settings.reasoning_format != "none")
+                   settings.reasoning_format != "none", settings.reasoning != "off")
 
     @property
     def model(self):
@@ -76,6 +77,11 @@ class HostedModel:
         stays in the text under --reasoning-format none."""
         dialect = dialects.detect(templates.source_of(self.model, self.chat_template))
         return dialect if self.reads_thoughts else dataclasses.replace(dialect, thinks=False)
+
+    def template_variables(self, asked: dict | None) -> dict:
+        """The variables a chat's template gets besides the conversation: enable_thinking
+        (--reasoning), then the request's chat_template_kwargs."""
+        return {"enable_thinking": self.thinking, **(asked or {})}
 
     @property
     def longest_token(self) -> int:

@@ -454,7 +454,8 @@ def chat_tokens(hosted: HostedModel, body: ChatRequest, structure: structured.St
     messages = chat_messages(hosted, body, structure, keep_billing_header)
     check_grammar(model, structure)
     with template_errors():
-        return templates.tokens(model, messages, structure.tools, hosted.chat_template)
+        return templates.tokens(model, messages, structure.tools, hosted.chat_template,
+                                hosted.template_variables(body.chat_template_kwargs))
 
 
 def chat_prompt(hosted: HostedModel, body: ChatRequest, structure: structured.Structure,
@@ -462,7 +463,8 @@ def chat_prompt(hosted: HostedModel, body: ChatRequest, structure: structured.St
     """The text chat_tokens() tokenizes (llama-server's /apply-template)."""
     messages = chat_messages(hosted, body, structure, keep_billing_header)
     with template_errors():
-        return templates.render(hosted.model, messages, structure.tools, template=hosted.chat_template)
+        return templates.render(hosted.model, messages, structure.tools, template=hosted.chat_template,
+                                variables=hosted.template_variables(body.chat_template_kwargs))
 
 
 def chat_messages(hosted: HostedModel, body: ChatRequest, structure: structured.Structure,

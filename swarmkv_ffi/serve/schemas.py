@@ -274,6 +274,7 @@ class ChatRequest(Sampling):
     json_schema: dict[str, Any] | None = None   # llama-server's: response_format json_schema in one field
     timings_per_token: bool = False             # llama-server's: a `timings` object on every chunk
     id_slot: int | None = None                  # llama-server's slot: there are none here, any runs anywhere
+    chat_template_kwargs: dict[str, Any] | None = None   # llama-server's and vLLM's: the template's own variables
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

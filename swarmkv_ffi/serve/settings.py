@@ -52,6 +52,7 @@ class Settings:
     stored_responses_ttl: float = 3600.0     # seconds unused before one is forgotten
     keep_billing_header: bool = False        # keep a system prompt's billing header (volatile.py)
     chat_template_file: Path | None = None   # a Jinja chat template instead of the model's own
+    reasoning: str = "auto"                  # thinking in the chat: off tells the template enable_thinking=false
     reasoning_format: str = "auto"           # a thinking model's thought: reasoning_content, or "none" (dialects.py)
 
     @property
@@ -254,6 +255,11 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
     flag("chat-template-file", type=Path, default=d.chat_template_file, metavar="FILE",
          help="a Jinja chat template to render the model's chats with instead of the one in its GGUF "
               "(as llama-server's flag; one model only)")
+    flag("reasoning", choices=["on", "off", "auto"], default=d.reasoning,
+         help="a thinking model's thinking, as llama-server's flag: 'off' renders its chats with "
+              "enable_thinking=false (Qwen3's and DeepSeek R1's templates then close the thought "
+              "before the answer); a request's chat_template_kwargs may set it for itself "
+              "(default: %(default)s)")
     flag("reasoning-format", choices=["auto", "deepseek", "none"], default=d.reasoning_format,
          help="a thinking model's thought (its template names <think>): 'auto' or 'deepseek' split it "
               "into reasoning_content (a reasoning item, a thinking block), 'none' leaves it in the "

@@ -36,22 +36,25 @@ class TemplateError(ValueError):
     """The conversation cannot be rendered (the template raised, or rejects its shape)."""
 
 
-def tokens(model, messages: list[dict], tools: list[dict] | None = None, template: str | None = None) -> list[int]:
+def tokens(model, messages: list[dict], tools: list[dict] | None = None, template: str | None = None,
+           variables: dict | None = None) -> list[int]:
     """The prompt for `messages` as tokens, a control token's text in a message kept as
     text. When no message holds one (nearly always) this is the rendered text tokenized
     with special tokens parsed, as llama-server does; else the text is rendered with each
     message's text between markers only this call knows, and split at the control tokens
     outside them, each piece tokenized as text (llama.cpp splits at the same places).
-    `template`: a template's source to use instead of the model's own."""
+    `template`: a template's source to use instead of the model's own; `variables`: the
+    template's own variables (render())."""
     controls = control_tokens(model)
     if controls is not None:
         refuse_controls_outside_content(messages, tools, controls[0])
     if controls is None or not any(controls[0].search(t) for t in message_texts(messages)):
-        return [int(t) for t in model.tokenize(render(model, messages, tools, template=template),
+        return [int(t) for t in model.tokenize(render(model, messages, tools, template=template, variables=variables),
                                                add_special=True, parse_special=True)]
     nonce = secrets.token_hex(8)
     opening, closing = f"q{nonce}o", f"q{nonce}c"
-    marked = render(model, messages, tools, mark=lambda text: opening + text + closing, template=template)
+    marked = render(model, messages, tools, mark=lambda text: opening + text + closing, template=template,
+                    variables=variables)
     out = [model.bos] if model.add_bos and model.bos >= 0 else []
     for text, control in _split(marked, opening, closing, controls[0]):
         if text:
@@ -154,10 +157,12 @@ def longest_token(model) -> int:
 
 
 def render(model, messages: list[dict], tools: list[dict] | None = None, mark=None,
-           template: str | None = None) -> str:
+           template: str | None = None, variables: dict | None = None) -> str:
     """The prompt for `messages` (OpenAI's dicts), ending with the assistant's opener;
     mark(text), if given, wraps each message's text (tokens()); `template`: a template's
-    source instead of the model's own (--chat-template-file)."""
+    source instead of the model's own (--chat-template-file); `variables`: more for the
+    template (enable_thinking, a request's chat_template_kwargs), never one of those
+    render() gives itself (a TemplateError names it)."""
     source = source_of(model, template)
     template = _compiled(source) if source else None
     if template is None or not knows_tools(source):
@@ -168,10 +173,12 @@ def render(model, messages: list[dict], tools: list[dict] | None = None, mark=No
         messages = [_marked(m, mark) for m in messages]
     if template is None:
         return model.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages])
+    given = dict(messages=messages, tools=tools if knows_tools(source) else None, add_generation_prompt=True,
+                 bos_token=special_text(model, model.bos), eos_token=special_text(model, model.eos))
+    if clash := sorted(set(variables or {}) & set(given)):
+        raise TemplateError(f"chat_template_kwargs may not set {', '.join(clash)}: the server renders those")
     try:
-        return template.render(messages=messages, tools=tools if knows_tools(source) else None,
-                               add_generation_prompt=True, bos_token=special_text(model, model.bos),
-                               eos_token=special_text(model, model.eos))
+        return template.render(**(variables or {}), **given)
     except TemplateError:
         raise
     except Exception as exc:       # whatever the template's own code trips on

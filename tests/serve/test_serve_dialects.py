@@ -19,7 +19,8 @@ from serve_process import MODEL, Serve
 pytestmark = pytest.mark.slow
 
 #: Qwen 2.5's template in substance (tools in <tools>, calls in <tool_call>, results in
-#: <tool_response>), with the generation prompt opening a thought.
+#: <tool_response>), with the generation prompt opening a thought, closed at once when
+#: enable_thinking is false (as the pin's DeepSeek R1 and QwQ templates do).
 TEMPLATE = """{%- if tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a helpful assistant.{% endif %}
 
@@ -53,7 +54,9 @@ For each function call, return a json object with function name and arguments wi
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 <think>
-{% endif %}"""
+{% if not enable_thinking %}</think>
+
+{% endif %}{% endif %}"""
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -302,3 +305,31 @@ def test_llama3_calls_one_tool_in_its_own_form_streamed_as_written(llama3):
             assert c.finish_reason == "tool_calls" and checked(c.message.tool_calls)
         else:
             assert not c.message.content.lstrip().startswith("{")
+
+
+def test_thinking_turned_off_by_a_request_or_for_the_server(server, client, tmp_path):
+    """enable_thinking false (chat_template_kwargs, Anthropic's thinking disabled, the
+    server's --reasoning off) closes the thought in the prompt: the answer is content."""
+    import anthropic
+    import requests
+    hello = [{"role": "user", "content": "Hello!"}]
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    prompt = requests.post(server.url + "/apply-template", json={"model": MODEL, "messages": hello, **off},
+                           timeout=60).json()["prompt"]
+    assert prompt.endswith("<think>\n</think>\n\n")
+    message = ask(client, max_tokens=16, messages=hello, extra_body=off).choices[0].message
+    assert message.content and getattr(message, "reasoning_content", None) is None
+    claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=300)
+    answer = claude.messages.create(model=MODEL, max_tokens=16, messages=hello, thinking={"type": "disabled"})
+    assert [b.type for b in answer.content] == ["text"]
+    clash = requests.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": hello, "chat_template_kwargs": {"messages": []}})
+    assert clash.status_code == 400 and "chat_template_kwargs" in clash.text
+    (tmp_path / "qwen.jinja").write_text(TEMPLATE)
+    with Serve("--exact", "--chat-template-file", str(tmp_path / "qwen.jinja"), "--reasoning", "off",
+               log=tmp_path / "serve.log") as quiet:
+        message = ask(quiet.client(), max_tokens=16, messages=hello).choices[0].message
+        on = ask(quiet.client(), max_tokens=16, messages=hello,
+                 extra_body={"chat_template_kwargs": {"enable_thinking": True}}).choices[0].message
+    assert message.content and getattr(message, "reasoning_content", None) is None
+    assert on.reasoning_content and not on.content
