@@ -275,6 +275,7 @@ class ChatRequest(Sampling):
     timings_per_token: bool = False             # llama-server's: a `timings` object on every chunk
     id_slot: int | None = None                  # llama-server's slot: there are none here, any runs anywhere
     chat_template_kwargs: dict[str, Any] | None = None   # llama-server's and vLLM's: the template's own variables
+    add_generation_prompt: bool = True          # llama-server's: false leaves the assistant's opener out
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

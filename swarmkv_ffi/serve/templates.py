@@ -161,8 +161,9 @@ def render(model, messages: list[dict], tools: list[dict] | None = None, mark=No
     """The prompt for `messages` (OpenAI's dicts), ending with the assistant's opener;
     mark(text), if given, wraps each message's text (tokens()); `template`: a template's
     source instead of the model's own (--chat-template-file); `variables`: more for the
-    template (enable_thinking, a request's chat_template_kwargs), never one of those
-    render() gives itself (a TemplateError names it)."""
+    template (enable_thinking, a request's chat_template_kwargs; add_generation_prompt
+    false leaves the assistant's opener out), never one of those render() gives itself
+    (a TemplateError names it)."""
     source = source_of(model, template)
     template = _compiled(source) if source else None
     if template is None or not knows_tools(source):
@@ -173,12 +174,14 @@ def render(model, messages: list[dict], tools: list[dict] | None = None, mark=No
         messages = [_marked(m, mark) for m in messages]
     if template is None:
         return model.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages])
-    given = dict(messages=messages, tools=tools if knows_tools(source) else None, add_generation_prompt=True,
+    variables = dict(variables or {})
+    opener = variables.pop("add_generation_prompt", True)
+    given = dict(messages=messages, tools=tools if knows_tools(source) else None, add_generation_prompt=opener,
                  bos_token=special_text(model, model.bos), eos_token=special_text(model, model.eos))
-    if clash := sorted(set(variables or {}) & set(given)):
+    if clash := sorted(set(variables) & set(given)):
         raise TemplateError(f"chat_template_kwargs may not set {', '.join(clash)}: the server renders those")
     try:
-        return template.render(**(variables or {}), **given)
+        return template.render(**{**today(), **variables}, **given)
     except TemplateError:
         raise
     except Exception as exc:       # whatever the template's own code trips on
@@ -189,6 +192,13 @@ def render(model, messages: list[dict], tools: list[dict] | None = None, mark=No
 #: them as an object, as transformers passes them, not OpenAI's JSON text (llama.cpp's
 #: chat handler tells the same by rendering both)
 OBJECT_ARGUMENTS = re.compile(r"arguments\s*\|\s*tojson")
+
+
+def today() -> dict:
+    """The date as llama.cpp gives it to every template (Llama 3.x's `date_string`,
+    firefunction's `datetime`); a request's chat_template_kwargs may set them."""
+    now = datetime.datetime.now()
+    return {"date_string": now.strftime("%d %b %Y"), "datetime": now.strftime("%b %d %Y")}
 
 
 def knows_tools(source: str | None) -> bool:

@@ -86,3 +86,22 @@ def test_a_control_token_in_a_message_or_a_tool_result_stays_text(smol, template
         as_markers = smol.tokenize(templates.render(model, messages), add_special=True, parse_special=True).tolist()
         assert got.count(start[0]) == as_markers.count(start[0]) - 1
         assert smol.detokenize(got, unparse_special=True) == smol.detokenize(as_markers, unparse_special=True)
+
+
+def test_the_date_and_the_opener_reach_the_template(smol):
+    """llama.cpp gives every template today's date (Llama 3.x's date_string, firefunction's
+    datetime); add_generation_prompt false leaves the assistant's opener out; a variable
+    render() gives itself cannot be overridden."""
+    import datetime
+    from swarmkv_ffi.serve.templates import TemplateError, render
+    source = ("{{ date_string }}|{{ datetime }}|{% for m in messages %}{{ m.content }}{% endfor %}"
+              "{% if add_generation_prompt %}<assistant>{% endif %}")
+    said = [{"role": "user", "content": "hi"}]
+    today = datetime.date.today()
+    assert render(smol, said, template=source) == \
+        f"{today.strftime('%d %b %Y')}|{today.strftime('%b %d %Y')}|hi<assistant>"
+    assert render(smol, said, template=source, variables={"add_generation_prompt": False, "date_string": "x"}) \
+        .startswith("x|") and not render(smol, said, template=source,
+                                         variables={"add_generation_prompt": False}).endswith("<assistant>")
+    with pytest.raises(TemplateError, match="messages"):
+        render(smol, said, template=source, variables={"messages": []})
