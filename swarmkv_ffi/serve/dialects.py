@@ -248,7 +248,7 @@ class Reader:
         self.thought = "open" if opened else ("maybe" if dialect.thinks else "none")
         self.thought_said = False  # a piece of the thought has gone out
         self.pending = ""          # text held back: a marker may be forming
-        self.state = "text"        # for the calls: text, call, after (a call), envelope, held
+        self.state = "text"        # where the calls' reading is (text, call, after, words, envelope, ...)
         self.scanner: CallScanner | None = None
         self.n_calls = 0
         self.whole = ""            # every answer character past the thought (the generic form's fallback)
