@@ -72,11 +72,15 @@ QUESTION = [{"role": "system", "content": "Document.\n" + LICENCE[:600]},
             {"role": "user", "content": "What is the weather in Oslo?"}]
 
 
+def templated(where, template: str, *flags: str) -> Serve:
+    """`swarmkv serve --exact` rendering its chats with `template` (written under `where`)."""
+    (where / "chat.jinja").write_text(template)
+    return Serve("--exact", "--chat-template-file", str(where / "chat.jinja"), *flags, log=where / "serve.log")
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    where = tmp_path_factory.mktemp("dialects")
-    (where / "qwen.jinja").write_text(TEMPLATE)
-    with Serve("--exact", "--chat-template-file", str(where / "qwen.jinja"), log=where / "serve.log") as s:
+    with templated(tmp_path_factory.mktemp("dialects"), TEMPLATE) as s:
         yield s
 
 
@@ -99,16 +103,21 @@ def checked(calls) -> list[tuple[str, dict]]:
     return out
 
 
-def test_the_template_tells_the_tools_and_renders_calls_in_its_own_form(server):
-    """No generic JSON form told in the system message; an earlier call is written back
-    as a <tool_call> block with its arguments as JSON (not JSON text quoted again)."""
+def loop_prompt(server) -> str:
+    """The prompt (/apply-template) of a tool loop: a call to get_weather, its result."""
     import requests
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                            "arguments": '{"city": "Oslo", "unit": "celsius"}'}}
     messages = QUESTION + [{"role": "assistant", "content": None, "tool_calls": [call]},
                            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    prompt = requests.post(server.url + "/apply-template", json={"model": MODEL, "messages": messages,
-                                                                 "tools": TOOLS}, timeout=60).json()["prompt"]
+    return requests.post(server.url + "/apply-template", json={"model": MODEL, "messages": messages, "tools": TOOLS},
+                         timeout=60).json()["prompt"]
+
+
+def test_the_template_tells_the_tools_and_renders_calls_in_its_own_form(server):
+    """No generic JSON form told in the system message; an earlier call is written back
+    as a <tool_call> block with its arguments as JSON (not JSON text quoted again)."""
+    prompt = loop_prompt(server)
     assert '"name": "get_weather"' in prompt and "tool_calls" not in prompt.split("<tools>")[0]
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>' \
         in prompt
@@ -197,11 +206,9 @@ def test_the_responses_and_messages_apis_give_the_thought_its_own_item(server, c
 
 
 def test_reasoning_format_none_leaves_the_thought_in_the_text(tmp_path, client):
-    (tmp_path / "qwen.jinja").write_text(TEMPLATE)
     hello = [{"role": "user", "content": "Hello!"}]
     thought = ask(client, max_tokens=24, messages=hello).choices[0].message.reasoning_content
-    with Serve("--exact", "--chat-template-file", str(tmp_path / "qwen.jinja"), "--reasoning-format", "none",
-               log=tmp_path / "serve.log") as plain:
+    with templated(tmp_path, TEMPLATE, "--reasoning-format", "none") as plain:
         message = ask(plain.client(), max_tokens=24, messages=hello).choices[0].message
     assert message.content.strip() == thought and getattr(message, "reasoning_content", None) is None
 
@@ -271,21 +278,13 @@ Respond in the format {"name": function name, "parameters": dictionary of argume
 
 @pytest.fixture(scope="module")
 def llama3(tmp_path_factory):
-    where = tmp_path_factory.mktemp("llama3")
-    (where / "llama3.jinja").write_text(LLAMA3_TEMPLATE)
-    with Serve("--exact", "--chat-template-file", str(where / "llama3.jinja"), log=where / "serve.log") as s:
+    with templated(tmp_path_factory.mktemp("llama3"), LLAMA3_TEMPLATE) as s:
         yield s
 
 
 def test_llama3_calls_one_tool_in_its_own_form_streamed_as_written(llama3):
-    import requests
     client = llama3.client()
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                           "arguments": '{"city": "Oslo", "unit": "celsius"}'}}
-    messages = QUESTION + [{"role": "assistant", "content": None, "tool_calls": [call]},
-                           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    prompt = requests.post(llama3.url + "/apply-template", json={"model": MODEL, "messages": messages,
-                                                               "tools": TOOLS}, timeout=60).json()["prompt"]
+    prompt = loop_prompt(llama3)
     assert '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}' in prompt
     assert "<|start_header_id|>ipython<|end_header_id|>\n\nsunny" in prompt and "tool_calls" not in prompt
 
@@ -325,9 +324,7 @@ def test_thinking_turned_off_by_a_request_or_for_the_server(server, client, tmp_
     clash = requests.post(server.url + "/v1/chat/completions", timeout=60, json={
         "model": MODEL, "messages": hello, "chat_template_kwargs": {"messages": []}})
     assert clash.status_code == 400 and "chat_template_kwargs" in clash.text
-    (tmp_path / "qwen.jinja").write_text(TEMPLATE)
-    with Serve("--exact", "--chat-template-file", str(tmp_path / "qwen.jinja"), "--reasoning", "off",
-               log=tmp_path / "serve.log") as quiet:
+    with templated(tmp_path, TEMPLATE, "--reasoning", "off") as quiet:
         message = ask(quiet.client(), max_tokens=16, messages=hello).choices[0].message
         on = ask(quiet.client(), max_tokens=16, messages=hello,
                  extra_body={"chat_template_kwargs": {"enable_thinking": True}}).choices[0].message
