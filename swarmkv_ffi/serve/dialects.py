@@ -180,7 +180,6 @@ class CallScanner:
         self.args_from: int | None = None       # where the arguments begin, once the name is read
         self.args_end: int | None = None
         self.sent = 0                           # of text, arguments sent up to here
-        self.done = False
 
     def feed(self, piece: str) -> tuple[list[Part], str | None]:
         """(parts, the text after the object or None while it goes on)."""
@@ -200,7 +199,6 @@ class CallScanner:
                 self.sent = stop
         if end is None:
             return parts, None
-        self.done = True
         rest, self.text = self.text[end:], self.text[:end]
         return parts + self._whole(), rest
 
@@ -334,17 +332,26 @@ class Reader:
                 self.pending = text
                 return
             if text.lstrip().startswith("{"):
-                self.scanner, self.state = CallScanner(0), "call"
-                self.n_calls = 1
+                self._open_call()
             else:
                 self.state = "words"
         if self.state == "words":
             out.append(Part("content", text))
         elif self.state == "call":
-            parts, rest = self.scanner.feed(text)
-            out += parts
-            if rest is not None:
-                self.state = "done"
+            self._scan(text, out, then="done")
+
+    def _open_call(self) -> None:
+        self.scanner, self.state = CallScanner(self.n_calls), "call"
+        self.n_calls += 1
+
+    def _scan(self, text: str, out: list[Part], then: str) -> str | None:
+        """Feed the open call; the text past its end (the state then `then`), or None
+        while it goes on."""
+        parts, rest = self.scanner.feed(text)
+        out += parts
+        if rest is not None:
+            self.state = then
+        return rest
 
     def _hermes(self, text: str, out: list[Part]) -> None:
         """Words until <tool_call>, a call object, its </tool_call>, and so on."""
@@ -359,14 +366,10 @@ class Reader:
                     self.pending = text[len(text) - keep:]
                     return
                 out.append(Part("content", before if before.strip() or not self.n_calls else ""))
-                self.scanner, self.state, text = CallScanner(self.n_calls), "call", after
-                self.n_calls += 1
+                self._open_call()
+                text = after
             elif self.state == "call":
-                parts, text = self.scanner.feed(text)
-                out += parts
-                if text is None:
-                    return
-                self.state = "after"
+                text = self._scan(text, out, then="after")
             else:                          # after a call: its closing tag, then words or more calls
                 stripped = text.lstrip()
                 if stripped.startswith(CALL_CLOSE):
@@ -394,17 +397,12 @@ class Reader:
             elif self.state == "between":
                 text = text.lstrip(" \n,")
                 if text.startswith("{"):
-                    self.scanner, self.state = CallScanner(self.n_calls), "call"
-                    self.n_calls += 1
+                    self._open_call()
                 elif text:
                     self.state = "held_done"
                     return
             elif self.state == "call":
-                parts, text = self.scanner.feed(text)
-                out += parts
-                if text is None:
-                    return
-                self.state = "between"
+                text = self._scan(text, out, then="between")
             else:
                 return
 

@@ -78,12 +78,12 @@ class HostedModel:
         dialect = dialects.detect(templates.source_of(self.model, self.chat_template))
         return dialect if self.reads_thoughts else dataclasses.replace(dialect, thinks=False)
 
-    def template_variables(self, asked: dict | None, opener: bool = True) -> dict:
-        """The variables a chat's template gets besides the conversation: enable_thinking
-        (--reasoning), then the request's chat_template_kwargs; add_generation_prompt
-        false (`opener`) when the request says so."""
-        variables = {"enable_thinking": self.thinking, **(asked or {})}
-        return variables if opener else dict(variables, add_generation_prompt=False)
+    def template_variables(self, body) -> dict:
+        """The variables a chat request's template gets besides the conversation:
+        enable_thinking (--reasoning), then its chat_template_kwargs; add_generation_prompt
+        false when it says so."""
+        variables = {"enable_thinking": self.thinking, **(body.chat_template_kwargs or {})}
+        return variables if body.add_generation_prompt else dict(variables, add_generation_prompt=False)
 
     @property
     def longest_token(self) -> int:

@@ -313,7 +313,8 @@ opened when its first part is generated."""
 
     @staticmethod
     def _reasoning(item_id: str, text: str) -> dict:
-        return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+        return {"type": "reasoning", "id": item_id, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}]}
 
     def _final(self, call: Call, streamed: Blocks | None = None) -> tuple[dict, str]:
         """(the finished response, its status), kept in the store when asked: the answer
@@ -393,10 +394,8 @@ opened when its first part is generated."""
         where = dict(item_id=self._item_id(block), output_index=block.index)
         if what == "open":
             item = self._item(block, "in_progress")
-            if block.kind == "content":
-                item["content"] = []
-            elif block.kind == "reasoning":
-                item = dict(item, content=[])
+            if block.kind != "call":
+                item = dict(item, content=[])      # its parts come as they are generated
             yield self._event("response.output_item.added", output_index=block.index, item=item)
             if block.kind == "content":
                 yield self._event("response.content_part.added", **where, content_index=0, part=self._part(""))

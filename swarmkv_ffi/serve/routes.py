@@ -455,17 +455,16 @@ def chat_tokens(hosted: HostedModel, body: ChatRequest, structure: structured.St
     check_grammar(model, structure)
     with template_errors():
         return templates.tokens(model, messages, structure.tools, hosted.chat_template,
-                                hosted.template_variables(body.chat_template_kwargs, body.add_generation_prompt))
+                                hosted.template_variables(body))
 
 
 def chat_prompt(hosted: HostedModel, body: ChatRequest, structure: structured.Structure,
                 keep_billing_header: bool = False) -> str:
     """The text chat_tokens() tokenizes (llama-server's /apply-template)."""
     messages = chat_messages(hosted, body, structure, keep_billing_header)
-    variables = hosted.template_variables(body.chat_template_kwargs, body.add_generation_prompt)
     with template_errors():
         return templates.render(hosted.model, messages, structure.tools, template=hosted.chat_template,
-                                variables=variables)
+                                variables=hosted.template_variables(body))
 
 
 def chat_messages(hosted: HostedModel, body: ChatRequest, structure: structured.Structure,

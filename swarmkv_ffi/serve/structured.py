@@ -158,10 +158,15 @@ def llama3_grammar(functions: list[dict], auto: bool, response: dict | None) -> 
 
 def _bounded(rule: str) -> str:
     """A tools grammar's JSON rule, refused past MAX_SCHEMA_BYTES (a 400 naming tools)."""
-    if len(rule) > MAX_SCHEMA_BYTES:
-        raise Refused(400, f"tools: the schema is {len(rule)} bytes as JSON, over this server's limit of "
-                      f"{MAX_SCHEMA_BYTES}", "schema_too_large", "tools")
+    _check_size(len(rule), "tools")
     return rule
+
+
+def _check_size(size: int, param: str) -> None:
+    """A schema of `size` bytes as JSON past MAX_SCHEMA_BYTES is a 400 naming `param`."""
+    if size > MAX_SCHEMA_BYTES:
+        raise Refused(400, f"{param}: the schema is {size} bytes as JSON, over this server's limit of "
+                      f"{MAX_SCHEMA_BYTES}", "schema_too_large", param)
 
 
 def _tools_lark(lines: list[str]) -> str:
@@ -228,10 +233,7 @@ def _call_schema(function: dict, key: str = "arguments") -> dict:
 
 
 def _compile(schema: dict, param: str) -> str:
-    size = len(json.dumps(schema))
-    if size > MAX_SCHEMA_BYTES:
-        raise Refused(400, f"{param}: the schema is {size} bytes as JSON, over this server's limit of "
-                      f"{MAX_SCHEMA_BYTES}", "schema_too_large", param)
+    _check_size(len(json.dumps(schema)), param)
     try:
         return grammars.json_schema(schema)
     except grammars.GrammarError as exc:
