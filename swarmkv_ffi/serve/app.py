@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import PlainTextResponse
 
 from . import errors, routes
 from .engine import ServeEngine
@@ -49,7 +50,7 @@ def create_app(engine: ServeEngine, keys: Keys, settings: Settings) -> FastAPI:
     app.add_api_route("/props", routes.props, methods=["GET"])
     app.add_api_route("/props", routes.not_supported, methods=["POST"])
     app.add_api_route("/slots", routes.not_supported, methods=["GET"])
-    allow_origins(app, settings.cors_origins)
+    add_middleware(app, settings.cors_origins)
     return app
 
 
@@ -57,11 +58,24 @@ def create_app(engine: ServeEngine, keys: Keys, settings: Settings) -> FastAPI:
 LOCALHOST = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
 
 
-def allow_origins(app: FastAPI, origins: str | None) -> None:
-    """CORS for the pages --cors-origins names (none: no CORS at all), on this app or the
-    Ray ingress."""
-    if origins:
-        app.add_middleware(CORSMiddleware, **cors(origins))
+def add_middleware(app: FastAPI, cors_origins: str | None) -> None:
+    """What both fronts (this app and the Ray ingress) wrap their routes in: CORS for the
+    pages --cors-origins names (none: no CORS at all)."""
+    if cors_origins:
+        app.add_middleware(Cors, **cors(cors_origins))
+
+
+class Cors(CORSMiddleware):
+    """Starlette's CORS, except that a preflight it refuses (an origin, method or header not
+    allowed) is answered 200 with no Access-Control-Allow-* header, as llama-server answers it,
+    instead of 400: the browser refuses the call either way, and a page written against
+    llama-server sees the same answer. The body still says what was refused."""
+
+    def preflight_response(self, request_headers):
+        answer = super().preflight_response(request_headers)
+        if answer.status_code == 200:
+            return answer
+        return PlainTextResponse(answer.body, status_code=200, headers={"Vary": answer.headers["vary"]})
 
 
 def cors(origins: str) -> dict:

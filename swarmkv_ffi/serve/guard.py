@@ -26,7 +26,11 @@ extended by these rules:
   lookup. A client posting 8 MiB bodies as fast as it could (about 500 a second from one
   local process) kept the event loop 90 % busy answering each through the app, and the
   other key's requests waited behind it (p50 1.4 s, 0.4 s alone). Bodies without a
-  Content-Length are counted by the route as they arrive (routes.capped_body).
+  Content-Length are counted by the route as they arrive (routes.capped_body);
+- a response's header names are written in their usual case (`Content-Type`): uvicorn's
+  httptools protocol lower-cases them, which HTTP allows, but scripts that copy headers into
+  a plain dict and read them by the names llama-server writes (llama.cpp's own server tests
+  do) found nothing on ours. Only the head of each answer is touched (`UsualCase`).
 
 The body's deadline is the route's (routes.capped_body). uvicorn documents `http=` as
 taking a protocol class; both of its HTTP/1.1 protocols start a new request cycle once
@@ -51,8 +55,8 @@ def closing_answer(status: int, message: str, code: str) -> bytes:
     answers itself and then closes (no request cycle exists to answer through)."""
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
                                  "code": code}}).encode()
-    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
-            f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
+    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
+            f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
 
 
 def too_large() -> bytes:
@@ -99,6 +103,7 @@ def protocol(header_timeout: float, idle_per_address: int, base: type = AutoHTTP
                 self.transport.close()
                 return
             super().on_headers_complete()
+            self.cycle.transport = UsualCase(self.transport)
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -171,6 +176,33 @@ def protocol(header_timeout: float, idle_per_address: int, base: type = AutoHTTP
     return Guarded
 
 
+class UsualCase:
+    """A request cycle's transport that writes the header names of its answer's head (and of
+    a 100 Continue before it) in their usual case; everything after the head goes as it is."""
+
+    def __init__(self, transport):
+        self._transport = transport
+        self._head_sent = False
+
+    def write(self, data: bytes) -> None:
+        if not self._head_sent and data.startswith(b"HTTP/1."):
+            self._head_sent = not data.startswith(b"HTTP/1.1 1")
+            data = usual_case(data)
+        self._transport.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+
+def usual_case(head: bytes) -> bytes:
+    """b"HTTP/1.1 200 OK\\r\\ncontent-type: x\\r\\n\\r\\n" -> the same with b"Content-Type"."""
+    lines, end, rest = head.partition(b"\r\n\r\n")
+    status, *fields = lines.split(b"\r\n")
+    named = [b"-".join(w[:1].upper() + w[1:] for w in name.split(b"-")) + b":" + value
+             for name, _, value in (field.partition(b":") for field in fields)]
+    return b"\r\n".join([status, *named]) + end + rest
+
+
 def raise_open_files_limit() -> int:
     """Raise this process's soft limit on open files to its hard limit (as vLLM does at
     start): every connection is a descriptor, and at the usual 1024 a few hundred idle
@@ -182,5 +214,5 @@ def raise_open_files_limit() -> int:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target
         except (ValueError, OSError):
-            pass
+            self.cycle.transport = UsualCase(self.transport)
     return soft

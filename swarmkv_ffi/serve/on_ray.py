@@ -213,8 +213,8 @@ def ingress(settings: Settings, keys: dict[str, str]):
 
     from .keys import Gates, Keys
     api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-    from .app import allow_origins
-    allow_origins(api, settings.cors_origins)
+    from .app import add_middleware
+    add_middleware(api, settings.cors_origins)
 
     @serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
     @serve.ingress(api)
