@@ -9,6 +9,7 @@ one shim binary that reads llama-server's flags and starts the chosen server:
     model flags (--hf-repo, --hf-file, --model, --model-url)   -> the one model file (--model)
     --alias -> --name, --n-predict -> --default-max-tokens     (ours; same meaning)
     any other flag `swarmkv serve` knows                       -> passed on as is
+    no --metrics (llama-server's /metrics is off by default)   -> --no-metrics (ours is on)
     --parallel (slots there; ours serves any number at once)   -> dropped, and logged
     the rest (--temp, --seed, --batch-size, ...)               -> dropped, and logged
 
@@ -38,6 +39,8 @@ SERVERS = ("llama-server", "ours")
 MODEL_FLAGS = {"--hf-repo", "-hf", "--hf-file", "-hff", "--model", "-m", "--model-url", "-mu"}
 RENAMED = {"--alias": "--name", "--n-predict": "--default-max-tokens"}
 SAME_NAME_OTHER_MEANING = {"--parallel", "-np"}     # slots there; sequences incl. kept prefixes here
+#: Off by default on llama-server, on by default on ours: the flag that turns ours off when absent.
+OFF_UNLESS_GIVEN = {"--metrics": "--no-metrics"}
 SWITCHES = {"--offline", "--cont-batching", "--embedding", "--reranking", "--metrics", "--kv-unified",
             "--swa-full", "--slots", "--no-slots", "--verbose", "--context-shift", "--no-ui",
             "--no-models-autoload", "--jinja", "--no-jinja", "--no-mmproj", "--no-cache-idle-slots",
@@ -91,6 +94,8 @@ def command_for(server: str, model: str, argv: list[str]) -> tuple[list[str], li
             dropped.append(flag)
         else:
             cmd += [flag] if value is None else [flag, value]
+    given = {flag for flag, _ in pairs}
+    cmd += [off for flag, off in OFF_UNLESS_GIVEN.items() if flag not in given]
     return cmd, dropped
 
 

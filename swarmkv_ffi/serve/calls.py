@@ -20,6 +20,7 @@ from .errors import refused
 from .loading import Use
 from .schemas import CachedTokens, Sampling, TokenLogprob, TopLogprob, Usage
 from .structured import Structure
+from .telemetry import timings
 from .text import TextStream
 
 
@@ -135,7 +136,9 @@ class Call:
         except BaseException as exc:     # reported to the client, not raised on a thread
             choice.error = refused(exc)
         finally:
-            self.engine.tally.ended(self.owner, choice.result, len(job.tokens), choice.index % self.body.n == 0)
+            spent = timings(self, choice)
+            self.engine.tally.ended(self.owner, choice.result, len(job.tokens), choice.index % self.body.n == 0,
+                                    (spent["prompt_ms"] / 1e3, spent["predicted_ms"] / 1e3))
             with self._lock:
                 self._left -= 1
                 last, held = not self._left, not self._sent

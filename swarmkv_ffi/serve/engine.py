@@ -15,6 +15,7 @@ bodies into Jobs and results into responses.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -80,6 +81,7 @@ class ServeEngine:
         self._running: dict[int, int] = {}      # owner -> choices in flight
         self._job_of: dict[int, Job] = {}        # id -> each Job running, for wait_drained()
         self.tally = Tally()                     # each key's request and token counters (/metrics)
+        self.started_unix = int(time.time())     # /metrics' Process-Start-Time-Unix, as llama-server's
         self.stopping = False
 
     def _open(self, spec) -> HostedModel:

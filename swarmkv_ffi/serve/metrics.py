@@ -12,6 +12,13 @@ Two views, so that no key learns another's figures:
   nothing of the pool (its cells and steps are everyone's traffic). Given to a scrape
   with an API key.
 
+Both views also carry llama-server's own `llamacpp:` figures (tools/server/server-task.cpp),
+under its names, types and help, so that dashboards and alerts written for llama-server read
+ours: prompt and generated tokens with their seconds, cached prompt tokens, the longest
+sequence, requests processing; the operator's also the decode calls, the rows each carried
+and the requests waiting. `--no-metrics` turns the route off (501), as llama-server's is
+without `--metrics`.
+
 A fresh registry is filled per scrape from the engine's state and the per-key Tally (a
 custom collector, as prometheus-client documents for figures kept elsewhere), so the
 library writes the format and nothing is a process-wide global.
@@ -38,6 +45,9 @@ class KeyCounts:
     cached_disk: int = 0         # prompt tokens restored from the --cache-dir store
     prefills_avoided: int = 0    # prompts that forked or restored a cached prefix
     generated: int = 0
+    prompt_seconds: float = 0.0  # from a request's start to its first token, once per prompt
+    generated_seconds: float = 0.0   # from a choice's first token to its end
+    longest: int = 0             # the most tokens one choice held (prompt and generated)
 
 
 #: The APIs requests come in by (swarmkv_requests_by_api_total's label).
@@ -63,27 +73,33 @@ class Tally:
             return {api: sum(n for (o, a), n in self._by_api.items() if a == api and owner in (None, o))
                     for api in APIS}
 
-    def ended(self, owner: int, result, prompt_tokens: int, first_of_prompt: bool) -> None:
-        """A choice ended with `result` (a RequestResult, or None when it failed); the first
-        choice of each prompt counts the prompt and what of it was cached."""
+    def ended(self, owner: int, result, prompt_tokens: int, first_of_prompt: bool,
+              seconds: tuple[float, float] = (0.0, 0.0)) -> None:
+        """A choice ended with `result` (a RequestResult, or None when it failed) after
+        `seconds` (reading its prompt, generating); the first choice of each prompt counts
+        the prompt, its seconds and what of it was cached."""
         with self._lock:
             c = self._counts.setdefault(owner, KeyCounts())
             c.requests += 1
             if result is None:
                 return
             c.generated += len(result.generated)
+            c.generated_seconds += seconds[1]
+            c.longest = max(c.longest, prompt_tokens + len(result.generated))
             if first_of_prompt:
                 c.prompt_tokens += prompt_tokens
+                c.prompt_seconds += seconds[0]
                 if result.cached:
                     c.prefills_avoided += 1
                     tier = f"cached_{result.tier or 'pool'}"
                     setattr(c, tier, getattr(c, tier) + result.cached)
 
     def counts(self, owner: int | None) -> KeyCounts:
-        """One owner's counters, or (None) every owner's summed."""
+        """One owner's counters, or (None) every owner's summed (the longest: the most)."""
         with self._lock:
             chosen = [c for o, c in self._counts.items() if owner is None or o == owner]
-            return KeyCounts(*(sum(getattr(c, f) for c in chosen) for f in KeyCounts.__dataclass_fields__))
+            return KeyCounts(*((max if f == "longest" else sum)([getattr(c, f) for c in chosen] or [0])
+                               for f in KeyCounts.__dataclass_fields__))
 
 
 class _Collector:
@@ -125,6 +141,50 @@ class _Collector:
         yield memory
         yield from _models(engine.models.entries)
         yield from _pools(engine.models.loaded())
+
+
+def llama_server(engine, owner: int | None) -> str:
+    """llama-server's `llamacpp:` figures in its own text: of the owner's requests, and for
+    the operator (owner None) also the decode calls of every pool and the requests waiting.
+    Written here, not by prometheus-client: llama-server's counter n_tokens_max has no
+    `_total`, which the library adds to a counter's TYPE line, and dashboards read the names
+    as llama-server writes them. A choice's prompt seconds run from its request's start to
+    its first token, so they include the wait for a seat (as the answers' `timings` do)."""
+    c = engine.tally.counts(owner)
+    cached = c.cached_pool + c.cached_host + c.cached_disk
+    waiting = engine.conductor.scheduler.waiting() if owner is None else 0
+    counters = [
+        ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens", c.prompt_tokens - cached),
+        ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache", cached),
+        ("prompt_seconds_total", "Total time spent processing prompts", c.prompt_seconds),
+        ("tokens_predicted_total", "Number of generation tokens processed", c.generated),
+        ("tokens_predicted_seconds_total", "Total time spent generating tokens", c.generated_seconds),
+        ("n_tokens_max", "Largest observed sequence length (prompt + generation)", c.longest),
+    ] + [(f"spec_decode_{name}_total", f"Speculative: {doc} (this server does not speculate: 0)", 0)
+         for name, doc in (("num_draft_tokens", "Total draft tokens generated"),
+                           ("num_accepted_tokens", "Total draft tokens accepted by the target model"),
+                           ("num_drafts", "Total speculative decoding verification steps"))]
+    gauges = [
+        ("prompt_tokens_seconds", "Average prompt throughput in tokens/s",
+         _per_second(c.prompt_tokens - cached, c.prompt_seconds)),
+        ("predicted_tokens_seconds", "Average generation throughput in tokens/s",
+         _per_second(c.generated, c.generated_seconds)),
+        ("requests_processing", "Number of requests processing", engine.in_flight(owner) - waiting),
+    ]
+    if owner is None:
+        tallies = [t for t in (model.pool.stats()["steps"] for _, model in engine.models.loaded()) if t is not None]
+        decodes = sum(t.steps for t in tallies)
+        counters.append(("n_decode_total", "Total number of llama_decode() calls, excluding speculative decoding "
+                         "and multimodal decoding", decodes))
+        gauges += [("requests_deferred", "Number of requests deferred", waiting),
+                   ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
+                    sum(t.decode_rows for t in tallies) / max(decodes, 1))]
+    return "".join(f"# HELP llamacpp:{name} {doc}\n# TYPE llamacpp:{name} {kind}\nllamacpp:{name} {float(value)}\n"
+                   for kind, items in (("counter", counters), ("gauge", gauges)) for name, doc, value in items)
+
+
+def _per_second(n: int, seconds: float) -> float:
+    return n / seconds if seconds > 0 else 0.0
 
 
 def _models(entries):
@@ -215,4 +275,4 @@ def render(engine, owner: int | None) -> bytes:
     """The exposition of one scrape (owner None: the operator's view)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(engine, owner))
-    return generate_latest(registry)
+    return generate_latest(registry) + llama_server(engine, owner).encode()

@@ -86,7 +86,12 @@ async def metrics(request: Request):
     """Prometheus' scrape: the whole server's figures for the metrics key (or on a server
     without keys), a key's own counters for an API key (metrics.py)."""
     s = served(request)
-    return Response(metrics_text(s.engine, viewer(request)), media_type=METRICS_TYPE)
+    who = viewer(request)
+    if not s.settings.metrics:
+        raise Refused(501, "/metrics is off on this server (--no-metrics)", "not_supported",
+                      details={"type": "not_supported_error"})
+    return Response(metrics_text(s.engine, who), media_type=METRICS_TYPE,
+                    headers={"Process-Start-Time-Unix": str(s.engine.started_unix)})
 
 
 def viewer(request: Request) -> int | None:

@@ -4,9 +4,10 @@
 answer carries one anyway; `return_progress` asks for a `prompt_progress` event while the
 prompt is read. Their fields are llama-server's (tools/server/server-common.cpp). Ours are
 measured from the request's start, so prompt_ms includes time spent waiting for a seat;
-the engine reads a prompt in one go per request as far as the client can tell, so
-progress comes once, when the prompt has been read, with the tokens forked from the cache
-(`cache`) apart from those decoded.
+generation's rates count the steps after the first token (which came with the prompt's last
+step, and its time is the prompt's), as llama-server's do. The engine reads a prompt in
+one go per request as far as the client can tell, so progress comes once, when the prompt
+has been read, with the tokens forked from the cache (`cache`) apart from those decoded.
 """
 from __future__ import annotations
 
@@ -25,12 +26,13 @@ def timings(call, choice) -> dict:
     prompt_n = len(call.prompts[choice.index // call.body.n]) - cached
     prompt_ms = 1e3 * (first - call.started)
     predicted_ms = 1e3 * (now - first)
+    steps = max(choice.n_tokens - 1, 0)      # the first token came with the prompt's last step
     return {"cache_n": cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
             "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
             "prompt_per_second": _rate(prompt_n, prompt_ms),
             "predicted_n": choice.n_tokens, "predicted_ms": predicted_ms,
-            "predicted_per_token_ms": predicted_ms / choice.n_tokens if choice.n_tokens else 0.0,
-            "predicted_per_second": _rate(choice.n_tokens, predicted_ms)}
+            "predicted_per_token_ms": predicted_ms / steps if steps else 0.0,
+            "predicted_per_second": _rate(steps, predicted_ms)}
 
 
 def progress(call, choice) -> dict:

@@ -175,7 +175,8 @@ def test_peak_rss_sees_memory_freed_before_the_block_ends():
 def test_llama_suite_shim_maps_llama_servers_flags():
     """llama.cpp's suite starts llama-server's command line; the shim gives both servers the
     one model file, passes on to ours the flags it has (renamed where the name differs)
-    and drops the rest, --parallel included (slots there, sequences here)."""
+    and drops the rest, --parallel included (slots there, sequences here); ours' /metrics is
+    turned off unless --metrics is given, as llama-server's is."""
     from swarmkv_ffi.bench.llama_suite import command_for
     argv = ["--port", "8080", "--temp", "0.8", "--hf-repo", "ggml-org/models", "--hf-file", "x.gguf",
             "--alias", "tinyllama-2", "--ctx-size", "256", "--parallel", "2", "--n-predict", "64", "--no-jinja",
@@ -183,8 +184,9 @@ def test_llama_suite_shim_maps_llama_servers_flags():
     cmd, dropped = command_for("ours", "/m.gguf", argv)
     assert cmd[cmd.index("serve"):] == ["serve", "--model", "/m.gguf", "--port", "8080", "--name", "tinyllama-2",
                                         "--ctx-size", "256", "--default-max-tokens", "64", "--api-key", "k1234567",
-                                        "--chat-template-file", "t.jinja"]
+                                        "--chat-template-file", "t.jinja", "--no-metrics"]
     assert dropped == ["--temp", "--parallel", "--no-jinja"]
+    assert "--no-metrics" not in command_for("ours", "/m.gguf", argv + ["--metrics"])[0]
     theirs, none = command_for("llama-server", "/m.gguf", argv)
     assert theirs[1:3] == ["--model", "/m.gguf"] and "--hf-repo" not in theirs and "--parallel" in theirs
     assert none == []

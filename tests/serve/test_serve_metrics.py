@@ -4,6 +4,7 @@ the counters move as requests run, sixteen choices over one document decode toge
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -86,6 +87,62 @@ def test_a_models_state_is_the_operators_to_see(server):
     with pytest.raises(urllib.error.HTTPError) as info:
         cards("key-wrong-0123456789")
     assert info.value.code == 401
+
+
+def native(server, key: str, prompt: str, n_predict: int) -> dict:
+    """llama-server's POST /completion, greedy; its `timings`."""
+    request = urllib.request.Request(server.url + "/completion", method="POST", headers={
+        "Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        data=json.dumps({"prompt": prompt, "n_predict": n_predict, "temperature": 0}).encode())
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        return json.loads(reply.read())["timings"]
+
+
+def test_llama_servers_figures_add_up_to_what_the_answers_said(server):
+    """llama-server's `llamacpp:` figures, under its names and types: prompt tokens read and
+    cached, tokens predicted, their seconds, as the answers' timings report them; a key's
+    scrape has its own, the operator's also the decode calls. The scrape carries the
+    process's start time as llama-server's does."""
+    prompt = "the quick brown fox jumps over the lazy dog " * 4
+    before, mine_before = scrape(server, OPERATOR), scrape(server, KEY_B)
+    spent = [native(server, KEY_B, prompt, n) for n in (4, 16)]
+    after, mine = scrape(server, OPERATOR), scrape(server, KEY_B)
+    assert spent[1]["cache_n"] > 0, "the second request did not reuse the first's prompt"
+    for view, was in ((after, before), (mine, mine_before)):
+        grew = {name: view[(f"llamacpp:{name}", ())] - was[(f"llamacpp:{name}", ())] for name in (
+            "prompt_tokens_total", "prompt_tokens_cached_total", "tokens_predicted_total",
+            "prompt_seconds_total", "tokens_predicted_seconds_total")}
+        assert grew["prompt_tokens_total"] == sum(t["prompt_n"] for t in spent)
+        assert grew["prompt_tokens_cached_total"] == sum(t["cache_n"] for t in spent)
+        assert grew["tokens_predicted_total"] == sum(t["predicted_n"] for t in spent) > 0
+        assert grew["prompt_seconds_total"] == pytest.approx(sum(t["prompt_ms"] for t in spent) / 1e3, rel=0.05)
+        assert grew["tokens_predicted_seconds_total"] > 0
+        # prometheus-client's parser names every counter's sample ..._total; the text has it bare
+        assert view[("llamacpp:n_tokens_max_total", ())] >= spent[1]["cache_n"] + spent[1]["prompt_n"] + spent[1]["predicted_n"]
+    assert after[("llamacpp:n_decode_total", ())] > before[("llamacpp:n_decode_total", ())]
+    assert ("llamacpp:n_decode_total", ()) not in mine and ("llamacpp:requests_deferred", ()) not in mine
+    request = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {OPERATOR}"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        text = reply.read().decode()
+        assert 0 < time.time() - int(reply.headers["Process-Start-Time-Unix"]) < 3600
+    assert "# TYPE llamacpp:n_tokens_max counter\nllamacpp:n_tokens_max " in text
+    assert "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached" in text
+
+
+def test_timings_rate_generation_over_the_steps_after_the_first_token(server):
+    """The first token comes with the prompt's last step: one token has no generation rate,
+    sixteen have fifteen steps' (llama-server's timings)."""
+    one, sixteen = (native(server, KEY_A, "I believe", n) for n in (1, 16))
+    assert one["predicted_n"] == 1 and one["predicted_per_second"] == one["predicted_per_token_ms"] == 0.0
+    assert sixteen["predicted_n"] == 16
+    assert sixteen["predicted_per_second"] == pytest.approx(1e3 * 15 / sixteen["predicted_ms"])
+
+
+def test_no_metrics_turns_the_route_off_as_llama_server_is_without_metrics(tmp_path):
+    with Serve("--ctx-size", "1024", "--no-metrics", log=tmp_path / "serve.log") as off:
+        with pytest.raises(urllib.error.HTTPError) as info:
+            scrape(off, None)
+    assert info.value.code == 501 and json.loads(info.value.read())["error"]["type"] == "not_supported_error"
 
 
 @pytest.mark.parametrize("key", [None, "metrics-wrong-0123"])
