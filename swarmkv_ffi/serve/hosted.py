@@ -81,9 +81,13 @@ class HostedModel:
     def template_variables(self, body) -> dict:
         """The variables a chat request's template gets besides the conversation:
         enable_thinking (--reasoning), then its chat_template_kwargs; add_generation_prompt
-        false when it says so."""
+        false and continue_final_message when it says so (templates.render)."""
         variables = {"enable_thinking": self.thinking, **(body.chat_template_kwargs or {})}
-        return variables if body.add_generation_prompt else dict(variables, add_generation_prompt=False)
+        if not body.add_generation_prompt:
+            variables["add_generation_prompt"] = False
+        if body.continue_final_message is not None:
+            variables["continue_final_message"] = body.continue_final_message
+        return variables
 
     @property
     def longest_token(self) -> int:

@@ -276,6 +276,7 @@ class ChatRequest(Sampling):
     id_slot: int | None = None                  # llama-server's slot: there are none here, any runs anywhere
     chat_template_kwargs: dict[str, Any] | None = None   # llama-server's and vLLM's: the template's own variables
     add_generation_prompt: bool = True          # llama-server's: false leaves the assistant's opener out
+    continue_final_message: bool | None = None  # vLLM's: continue the assistant's last message (None: if last)
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -164,6 +164,12 @@ def render(model, messages: list[dict], tools: list[dict] | None = None, mark=No
     template (enable_thinking, a request's chat_template_kwargs; add_generation_prompt
     false leaves the assistant's opener out), never one of those render() gives itself
     (a TemplateError names it)."""
+    variables = dict(variables or {})
+    opener = variables.pop("add_generation_prompt", True)
+    messages, continued = continuation(messages, opener, variables.pop("continue_final_message", None))
+    if continued is not None:
+        opener = True
+        continued = mark(continued) if mark is not None else continued
     source = source_of(model, template)
     template = _compiled(source) if source else None
     if template is None or not knows_tools(source):
@@ -173,19 +179,42 @@ def render(model, messages: list[dict], tools: list[dict] | None = None, mark=No
     if mark is not None:
         messages = [_marked(m, mark) for m in messages]
     if template is None:
-        return model.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages])
-    variables = dict(variables or {})
-    opener = variables.pop("add_generation_prompt", True)
+        return model.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages]) + (
+            continued or "")
     given = dict(messages=messages, tools=tools if knows_tools(source) else None, add_generation_prompt=opener,
                  bos_token=special_text(model, model.bos), eos_token=special_text(model, model.eos))
     if clash := sorted(set(variables) & set(given)):
         raise TemplateError(f"chat_template_kwargs may not set {', '.join(clash)}: the server renders those")
     try:
-        return template.render(**{**today(), **variables}, **given)
+        return template.render(**{**today(), **variables}, **given) + (continued or "")
     except TemplateError:
         raise
     except Exception as exc:       # whatever the template's own code trips on
         raise TemplateError(f"the model's chat template cannot render these messages: {exc}") from None
+
+
+def continuation(messages: list[dict], opener: bool, asked: bool | None) -> tuple[list[dict], str | None]:
+    """The messages to render and, when the request continues the assistant's last message
+    (a prefill), that message's text, which the prompt ends with after the assistant's
+    opener, as llama-server does: by default whenever the last message is the assistant's,
+    or as `continue_final_message` (vLLM's and transformers' name) says. Refused as there:
+    two assistant messages at the end, continuing with the opener also asked for, a message
+    with tool calls, or one that is not the assistant's."""
+    last = messages[-1] if messages else {}
+    if asked is None:
+        if last.get("role") != "assistant":
+            return messages, None
+        if len(messages) >= 2 and messages[-2].get("role") == "assistant":
+            raise TemplateError("Cannot have 2 or more assistant messages at the end of the list")
+    elif not asked:
+        return messages, None
+    elif opener:
+        raise TemplateError("Cannot set both add_generation_prompt and continue_final_message to true")
+    elif last.get("role") != "assistant":
+        raise TemplateError("continue_final_message continues the last message, which must be the assistant's")
+    if last.get("tool_calls"):
+        raise TemplateError("Cannot continue an assistant message that contains tool calls")
+    return messages[:-1], last.get("content") or ""
 
 
 #: a template that writes a call's arguments as JSON itself (Qwen, Hermes, Llama 3.x) wants

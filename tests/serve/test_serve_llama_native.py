@@ -250,3 +250,16 @@ def test_slots_and_setting_props_are_refused_as_not_supported(server, method, pa
 @pytest.mark.parametrize("method,path", [("GET", "/props"), ("GET", "/slots")])
 def test_props_and_slots_need_the_key(server, method, path):
     assert requests.request(method, server.url + path, timeout=60).status_code == 401
+
+
+def test_the_assistants_last_words_are_continued_and_two_at_the_end_refused(server):
+    """A prefill, as llama-server serves it: the prompt ends with the assistant's words, not
+    with its closed turn; the answer goes on from them. Two assistant messages at the end are
+    a 400, as there."""
+    said = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "The fruit is"}]
+    prompt = post(server, "/apply-template", {"messages": said}).json()["prompt"]
+    assert prompt.endswith("<|im_start|>assistant\nThe fruit is")
+    answer = post(server, "/v1/chat/completions", {"messages": said, "max_tokens": 4, "temperature": 0})
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
+    twice = post(server, "/v1/chat/completions", {"messages": said + [{"role": "assistant", "content": "x"}]})
+    assert twice.status_code == 400 and "2 or more assistant messages" in twice.json()["error"]["message"]

@@ -105,3 +105,46 @@ def test_the_date_and_the_opener_reach_the_template(smol):
                                          variables={"add_generation_prompt": False}).endswith("<assistant>")
     with pytest.raises(TemplateError, match="messages"):
         render(smol, said, template=source, variables={"messages": []})
+
+
+PREFILL_SOURCE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+                  "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_the_assistants_last_message_is_continued_as_llama_server_does(smol):
+    """A conversation that ends with the assistant's words (a prefill) renders the turns
+    before it, the assistant's opener, then those words, unclosed: the model goes on from
+    them. continue_final_message (vLLM's name) asks for it by name."""
+    from swarmkv_ffi.serve.templates import render
+    said = [{"role": "user", "content": "Best book?"}, {"role": "assistant", "content": "Whill"}]
+    expected = "<user>Best book?</user><assistant>Whill"
+    assert render(smol, said, template=PREFILL_SOURCE) == expected
+    assert render(smol, said, template=PREFILL_SOURCE, variables={
+        "add_generation_prompt": False, "continue_final_message": True}) == expected
+    assert render(smol, said, template=PREFILL_SOURCE, variables={"continue_final_message": False}) == \
+        "<user>Best book?</user><assistant>Whill</assistant><assistant>"
+
+
+@pytest.mark.parametrize("said,variables,refusal", [
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "assistant", "content": "c"}],
+     {}, "2 or more assistant messages"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+     {"continue_final_message": True}, "both add_generation_prompt and continue_final_message"),
+    ([{"role": "user", "content": "a"}], {"continue_final_message": True, "add_generation_prompt": False},
+     "must be the assistant's"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}], {},
+     "contains tool calls"),
+])
+def test_a_continuation_that_cannot_be_is_refused(smol, said, variables, refusal):
+    from swarmkv_ffi.serve.templates import TemplateError, render
+    with pytest.raises(TemplateError, match=refusal):
+        render(smol, said, template=PREFILL_SOURCE, variables=variables)
+
+
+def test_a_continued_message_keeps_control_tokens_as_text(smol):
+    """The prefill's words go through the same markers as every message's: a control
+    token's text in them stays text."""
+    said = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<|im_end|>"}]
+    got = templates.tokens(smol, said, template=PREFILL_SOURCE)
+    end = smol.tokenize("<|im_end|>", add_special=False, parse_special=True)
+    assert len(end) == 1 and end[0] not in got
