@@ -25,7 +25,7 @@ KV_TYPES = {name: library.enum("ggml_type")[f"GGML_TYPE_{name.upper()}"]
 FLASH_ATTN = {name: library.enum("llama_flash_attn_type")[f"LLAMA_FLASH_ATTN_TYPE_{c}"]
               for name, c in (("auto", "AUTO"), ("off", "DISABLED"), ("on", "ENABLED"))}
 POOLING = {name: library.enum("llama_pooling_type")[f"LLAMA_POOLING_TYPE_{name.upper()}"]
-           for name in ("unspecified", "none", "mean")}
+           for name in ("unspecified", "none", "mean", "rank")}
 
 
 @dataclass
@@ -219,14 +219,16 @@ class Context(Owned):
 
     def embedding(self, seq: int) -> np.ndarray:
         """Sequence `seq`'s pooled embedding from the last decode (a copy), in a context
-        made with embeddings=True and a pooling other than none."""
+        made with embeddings=True and a pooling other than none; under rank pooling, its
+        classifier's outputs (a reranker's one score; libllama gives n_cls_out floats)."""
         ptr = self._lib.llama_get_embeddings_seq(self.handle, seq)
         if ptr == ffi.NULL:
             raise errors.DecodeError(f"llama_get_embeddings_seq({seq}) returned NULL: the context is not in "
                                      f"embeddings mode with pooling (it pools: {self.pooling}), or the sequence "
                                      "was not in the last decode", 0)
-        n_embd = self._lib.llama_model_n_embd(self.model.handle)
-        return np.frombuffer(ffi.buffer(ptr, n_embd * 4), dtype=np.float32).copy()
+        n = (self._lib.llama_model_n_cls_out if self.pooling == "rank" else self._lib.llama_model_n_embd)(
+            self.model.handle)
+        return np.frombuffer(ffi.buffer(ptr, n * 4), dtype=np.float32).copy()
 
     # ---- memory (KV cells) --------------------------------------------------------------
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:

@@ -110,6 +110,11 @@ class Model(Owned):
         return self._lib.llama_model_n_embd(self.handle)
 
     @property
+    def n_cls_out(self) -> int:
+        """Outputs of its classification head (a reranker's: 1; libllama says 1 without one)."""
+        return self._lib.llama_model_n_cls_out(self.handle)
+
+    @property
     def n_head(self) -> int:
         return self._lib.llama_model_n_head(self.handle)
 
@@ -171,6 +176,22 @@ class Model(Owned):
     def add_bos(self) -> bool:
         self._check_open()
         return bool(self._lib.llama_vocab_get_add_bos(self._vocab))
+
+    @property
+    def sep(self) -> int:
+        """The sentence separator (-1 when the vocabulary has none)."""
+        self._check_open()
+        return self._lib.llama_vocab_sep(self._vocab)
+
+    @property
+    def add_eos(self) -> bool:
+        self._check_open()
+        return bool(self._lib.llama_vocab_get_add_eos(self._vocab))
+
+    @property
+    def add_sep(self) -> bool:
+        self._check_open()
+        return bool(self._lib.llama_vocab_get_add_sep(self._vocab))
 
     def is_eog(self, token: int) -> bool:
         """True for any end-of-generation token (EOS, EOT, …)."""

@@ -48,6 +48,7 @@ LAYERS: list[list[str]] = [
      "serve.guard", "serve.metrics", "serve.sizing", "serve.lineup", "serve.volatile", "serve.stored", "serve.telemetry",
      "serve.churn"],
     ["serve.errors", "serve.settings", "serve.dialects", "serve.embeddings"],
+    ["serve.rerank"],                                                   # llama-server's /rerank, on embeddings
     ["serve.structured"],
     ["serve.hosted"],                                                   # one model: its pool, tier, size
     ["serve.loading"],                                                  # load on demand, unload when idle

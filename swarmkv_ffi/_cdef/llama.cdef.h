@@ -68,7 +68,8 @@ enum llama_lazy_mode { LLAMA_LAZY_MODE_OFF = 0, LLAMA_LAZY_MODE_AUTO = 1, LLAMA_
 enum llama_context_type { LLAMA_CONTEXT_TYPE_DEFAULT = 0, LLAMA_CONTEXT_TYPE_MTP = 1 };
 enum llama_rope_scaling_type { LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED = -1, LLAMA_ROPE_SCALING_TYPE_NONE = 0,
                                LLAMA_ROPE_SCALING_TYPE_LINEAR = 1, LLAMA_ROPE_SCALING_TYPE_YARN = 2 };
-enum llama_pooling_type { LLAMA_POOLING_TYPE_UNSPECIFIED = -1, LLAMA_POOLING_TYPE_NONE = 0, LLAMA_POOLING_TYPE_MEAN = 1 };
+enum llama_pooling_type { LLAMA_POOLING_TYPE_UNSPECIFIED = -1, LLAMA_POOLING_TYPE_NONE = 0, LLAMA_POOLING_TYPE_MEAN = 1,
+                          LLAMA_POOLING_TYPE_CLS = 2, LLAMA_POOLING_TYPE_LAST = 3, LLAMA_POOLING_TYPE_RANK = 4 };
 enum llama_attention_type { LLAMA_ATTENTION_TYPE_UNSPECIFIED = -1, LLAMA_ATTENTION_TYPE_CAUSAL = 0,
                             LLAMA_ATTENTION_TYPE_NON_CAUSAL = 1 };
 enum llama_flash_attn_type {
@@ -192,6 +193,7 @@ llama_memory_t llama_get_memory(const struct llama_context * ctx);
 const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
 int32_t  llama_model_n_ctx_train(const struct llama_model * model);
 int32_t  llama_model_n_embd     (const struct llama_model * model);
+uint32_t llama_model_n_cls_out   (const struct llama_model * model);
 int32_t  llama_model_n_layer    (const struct llama_model * model);
 int32_t  llama_model_n_head     (const struct llama_model * model);
 int32_t  llama_model_n_head_kv  (const struct llama_model * model);
@@ -208,7 +210,10 @@ int32_t     llama_vocab_n_tokens(const struct llama_vocab * vocab);
 bool        llama_vocab_is_eog(const struct llama_vocab * vocab, llama_token token);
 llama_token llama_vocab_bos(const struct llama_vocab * vocab);
 llama_token llama_vocab_eos(const struct llama_vocab * vocab);
+llama_token llama_vocab_sep(const struct llama_vocab * vocab);
 bool        llama_vocab_get_add_bos(const struct llama_vocab * vocab);
+bool        llama_vocab_get_add_eos(const struct llama_vocab * vocab);
+bool        llama_vocab_get_add_sep(const struct llama_vocab * vocab);
 
 int32_t llama_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,
                        llama_token * tokens, int32_t n_tokens_max, bool add_special, bool parse_special);

@@ -11,6 +11,7 @@ a pool's compute buffer or spare cells): no user's share counts it.
     prefix      its uid          the document's key       conductor/swap.py (a document's KV)
     tier        its uid          the tokens' hash         kvcache/host.py (an evicted prefix)
     embeddings  -                the model's name         serve/embeddings.py (its context)
+    ranker      -                the model's name         serve/embeddings.py (its rank context)
 """
 from __future__ import annotations
 
@@ -48,3 +49,7 @@ def tier(owner: int, tokens_hash: str) -> Key:
 
 def embeddings(model_name: str) -> Key:
     return Key("embeddings", None, model_name)
+
+
+def ranker(model_name: str) -> Key:
+    return Key("ranker", None, model_name)

@@ -19,6 +19,7 @@ Lowest first (tests/test_layers.py holds the same order):
     errors.py     every failure as OpenAI's error JSON (Refused), for the app and on_ray
     settings.py   the server's settings and their flags, written once for every front
     embeddings.py POST /v1/embeddings from a served model
+    rerank.py     llama-server's POST /rerank (with --reranking): documents scored against a query
     dialects.py   a model family's tool-call form and thoughts (Hermes' <tool_call>, <think>), told by
                   its template; answers read whole or as they stream
     structured.py response_format, tools and grammar: the grammar a request's output follows

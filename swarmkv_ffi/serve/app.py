@@ -12,6 +12,7 @@
     POST /v1/messages/count_tokens            the prompt a message request would make, counted
     POST /apply-template, /completion, /completions, /tokenize, /detokenize   llama-server's own
          (llama_native.py); /health, /models, /chat/completions, /responses without /v1 too
+    POST /rerank (/reranking, /v1/rerank, /v1/reranking)   llama-server's, with --reranking (rerank.py)
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def create_app(engine: ServeEngine, keys: Keys, settings: Settings) -> FastAPI:
     app.add_api_route("/apply-template", routes.apply_template, methods=["POST"])
     for path in ("/completion", "/completions"):        # llama-server's native completion (llama_native.py)
         app.add_api_route(path, routes.native_completion, methods=["POST"])
+    for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):   # as llama-server names it
+        app.add_api_route(path, routes.rerank, methods=["POST"])
     app.add_api_route("/tokenize", routes.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", routes.detokenize, methods=["POST"])
     app.add_api_route("/props", routes.props, methods=["GET"])

@@ -54,18 +54,23 @@ class EmbeddingsRequest(BaseModel):
 
 
 class Embedder:
-    """A model's embeddings context and its ledger booking; embed() serialises callers."""
+    """A model's embeddings context and its ledger booking; pooled() serialises callers.
+    `rank`: the context pools by the model's classification head instead (rerank.py)."""
 
-    def __init__(self, model, ledger, key: str, n_threads: int | None = None):
+    def __init__(self, model, ledger, key: str, n_threads: int | None = None, rank: bool = False):
         kw = {"n_threads": n_threads} if n_threads else {}
         # kv_unified: the whole decode in one ubatch (split per sequence, an input longer than
         # another was pooled over its last rows only: 0.21 off its vector alone).
         kw.update(n_ctx=EMBED_CELLS, n_batch=EMBED_CELLS, n_ubatch=EMBED_CELLS, n_seq_max=EMBED_SEQS,
                   kv_unified=True, embeddings=True)
-        ctx = Context(model, **kw)
+        ctx = Context(model, pooling="rank" if rank else "unspecified", **kw)
         if ctx.pooling == "none":                  # a generative model: mean over the input's rows
             ctx.close()
             ctx = Context(model, pooling="mean", **kw)
+        self.width = model.n_cls_out if rank else model.n_embd
+        # libllama reads sequence k's rank at k * n_cls_out of the pooled rows, which are
+        # n_embd wide without a head: past the first sequence of a decode it reads the first's
+        self.per_decode = EMBED_SEQS if not rank or has_rank_head(model) else 1
         try:
             ledger.reserve(key, max(1, sum(ctx.memory_bytes())))
         except LedgerDenied as exc:
@@ -77,18 +82,23 @@ class Embedder:
 
     def embed(self, inputs: list[list[int]]) -> np.ndarray:
         """One unit vector per input (rows in order)."""
-        out = np.zeros((len(inputs), self.ctx.model.n_embd), dtype=np.float32)
+        out = self.pooled(inputs)
+        norms = np.linalg.norm(out, axis=1, keepdims=True)
+        return out / np.where(norms > 0, norms, 1)
+
+    def pooled(self, inputs: list[list[int]]) -> np.ndarray:
+        """What the context pools for each input (rows in order), as libllama gives it."""
+        out = np.zeros((len(inputs), self.width), dtype=np.float32)
         with self._lock:
             start = 0
             while start < len(inputs):
                 end, cells = start, 0
-                while end < len(inputs) and end - start < EMBED_SEQS and cells + len(inputs[end]) <= EMBED_CELLS:
+                while end < len(inputs) and end - start < self.per_decode and cells + len(inputs[end]) <= EMBED_CELLS:
                     cells += len(inputs[end])
                     end += 1
                 self._decode(inputs[start:end], out[start:end])
                 start = end
-        norms = np.linalg.norm(out, axis=1, keepdims=True)
-        return out / np.where(norms > 0, norms, 1)
+        return out
 
     def _decode(self, group: list[list[int]], into: np.ndarray) -> None:
         self.ctx.clear()
@@ -103,6 +113,12 @@ class Embedder:
         with self._lock:
             self.ctx.close()
             self.ledger.release(self.key)
+
+
+def has_rank_head(model) -> bool:
+    """Is it a reranker: does its metadata pool by rank (its classification head), as
+    llama.cpp's converter writes for one? (llama-server's `--pooling rank`, value 4.)"""
+    return model.meta(f"{model.meta('general.architecture')}.pooling_type") == "4"
 
 
 def tokens_of(model, body: EmbeddingsRequest) -> list[list[int]]:

@@ -214,5 +214,5 @@ def raise_open_files_limit() -> int:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target
         except (ValueError, OSError):
-            self.cycle.transport = UsualCase(self.transport)
+            pass
     return soft

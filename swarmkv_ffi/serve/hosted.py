@@ -41,8 +41,8 @@ class HostedModel:
     chat_template: str | None = None
     reads_thoughts: bool = True          # --reasoning-format auto or deepseek
     thinking: bool = True                # --reasoning on or auto: the template's enable_thinking
-    _embedder: Embedder | None = None
-    _embedder_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    _pooling: dict[bool, Embedder] = dataclasses.field(default_factory=dict)   # rank? -> its context
+    _pooling_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     @classmethod
     def open(cls, conductor: Conductor, spec: ModelSpec, settings: Settings,
@@ -112,22 +112,23 @@ class HostedModel:
             raise context_exceeded(exc, what) from None
         return asked
 
-    def embedder(self) -> Embedder:
-        """Its embeddings context (embeddings.py), made and booked in the ledger on first use."""
-        with self._embedder_lock:
-            if self._embedder is None:
+    def embedder(self, rank: bool = False) -> Embedder:
+        """Its embeddings context (embeddings.py), or (rank) its reranking one (rerank.py),
+        made and booked in the ledger on first use."""
+        with self._pooling_lock:
+            if rank not in self._pooling:
                 conductor = self.pool.conductor
-                self._embedder = Embedder(self.model, conductor.ledger, ledger_keys.embeddings(self.name),
-                                          conductor.n_threads)
-            return self._embedder
+                key = (ledger_keys.ranker if rank else ledger_keys.embeddings)(self.name)
+                self._pooling[rank] = Embedder(self.model, conductor.ledger, key, conductor.n_threads, rank=rank)
+            return self._pooling[rank]
 
     def close(self) -> None:
         """Free the pool and its booking, the embeddings context's and the host tier's (no
         request runs here)."""
-        with self._embedder_lock:
-            if self._embedder is not None:
-                self._embedder.close()
-                self._embedder = None
+        with self._pooling_lock:
+            for embedder in self._pooling.values():
+                embedder.close()
+            self._pooling.clear()
         self.pool.close()
         if self.host_tier is not None:
             self.host_tier.clear()

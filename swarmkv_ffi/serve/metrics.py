@@ -51,7 +51,7 @@ class KeyCounts:
 
 
 #: The APIs requests come in by (swarmkv_requests_by_api_total's label).
-APIS = ("chat", "completions", "responses", "messages", "embeddings")
+APIS = ("chat", "completions", "responses", "messages", "embeddings", "rerank")
 
 
 class Tally:
@@ -113,7 +113,8 @@ class _Collector:
         c = engine.tally.counts(owner)
         yield _counter("requests", "Choices of requests that ended (answered, stopped or failed)", c.requests)
         by_api = CounterMetricFamily("swarmkv_requests_by_api", "Requests run, by the API they came in by: "
-                                     "chat completions, completions, Responses, Anthropic Messages", labels=["api"])
+                                     "chat completions, completions, Responses, Anthropic Messages, embeddings, "
+                                     "rerank", labels=["api"])
         for api, n in engine.tally.by_api(owner).items():
             by_api.add_metric([api], n)
         yield by_api

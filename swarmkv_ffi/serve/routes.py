@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .. import grammar
 from . import anthropic, dialects, llama_native, openai_responses, structured, templates, volatile
 from . import embeddings as embeddings_api
+from . import rerank as rerank_api
 from .calls import Call
 from .engine import ServeEngine
 from .hosted import HostedModel
@@ -274,28 +275,52 @@ async def run_completion(request: Request, who: int, body: CompletionRequest, sh
 
 
 async def embeddings(request: Request):
-    """OpenAI's POST /v1/embeddings (embeddings.py): a unit vector per input, counted as
-    one choice in flight of the key's while it runs."""
+    """OpenAI's POST /v1/embeddings (embeddings.py): a unit vector per input."""
+    name, body, inputs, vectors = await pooled(request, "embeddings", embeddings_api.EmbeddingsRequest,
+                                               embeddings_api.tokens_of, lambda hosted: hosted.embedder().embed)
+    return embeddings_api.answer(name, vectors, sum(map(len, inputs)), body.encoding_format)
+
+
+async def rerank(request: Request):
+    """llama-server's POST /rerank (rerank.py): the documents scored against the query,
+    best first; 501 unless the server runs with --reranking, as llama-server's."""
+    if not served(request).settings.reranking:
+        owner_of(request)
+        raise Refused(501, "This server does not support reranking. Start it with `--reranking`", "not_supported",
+                      details={"type": "not_supported_error"})
+
+    def scorer(hosted):
+        rerank_api.warn_without_head(hosted.model, hosted.name)
+        return hosted.embedder(rank=True).pooled
+    name, body, inputs, scores = await pooled(request, "rerank", rerank_api.RerankRequest, rerank_api.tokens_of,
+                                              scorer)
+    return rerank_api.answer(name, body, scores, sum(map(len, inputs)))
+
+
+async def pooled(request: Request, api: str, schema, tokens_of, runner):
+    """The path embeddings and rerank share: the body read and its inputs tokenized off the
+    loop, then `runner(hosted)` run over them on a worker thread, counted as one choice in
+    flight of the key's while it runs. Returns the model's id, the body, the inputs and
+    what the runner gave."""
     who = owner_of(request)
     s = served(request)
     async with s.preparing(who):
-        body = await read_body(request, embeddings_api.EmbeddingsRequest, s)
+        body = await read_body(request, schema, s)
     name = s.engine.resolve(body.model)
     use = await s.engine.use(who, name, None)
     try:
-        model = use.hosted.model
         async with s.preparing(who):
-            inputs = await asyncio.to_thread(embeddings_api.tokens_of, model, body)
+            inputs = await asyncio.to_thread(tokens_of, use.hosted.model, body)
         s.engine.admit(who, 1)
         try:
-            embedder = await asyncio.to_thread(use.hosted.embedder)
-            vectors = await asyncio.to_thread(embedder.embed, inputs)
+            run = await asyncio.to_thread(runner, use.hosted)
+            out = await asyncio.to_thread(run, inputs)
         finally:
             s.engine.leave(who, 1)
     finally:
         use.release()
-    s.engine.tally.asked(who, "embeddings")
-    return embeddings_api.answer(name, vectors, sum(map(len, inputs)), body.encoding_format)
+    s.engine.tally.asked(who, api)
+    return name, body, inputs, out
 
 
 async def chat_input_tokens(request: Request):

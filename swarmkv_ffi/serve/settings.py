@@ -47,6 +47,7 @@ class Settings:
     model_churn_window: float = 60.0         # a key unloads others' model at most once in it (churn.py)
     cors_origins: str | None = None          # web pages that may call the API from a browser (app.cors)
     metrics: bool = True                     # GET /metrics answers (off: 501, llama-server's without --metrics)
+    reranking: bool = False                  # POST /rerank answers (rerank.py), as llama-server's --reranking
     metrics_key: str | None = None           # a scrape with it sees the whole server's /metrics
     stored_responses: int = 256              # the Responses API's stored responses per key (stored.py)
     stored_responses_mib: int = 64           # ... and their text, per key
@@ -196,6 +197,9 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
     keys.add_argument(f"--{prefix}api-key-file", type=Path, default=d.api_key_file,
                       help="one key per line (optionally followed by a name): each key is an owner "
                            "with its own fair share, quota and cache")
+    flag("reranking", action="store_true",
+         help="answer POST /rerank (llama-server's route, Jina's and TEI's shapes) with the model's "
+              "classification head; a reranker model is meant (a generative model's scores rank nothing)")
     flag("metrics", action=argparse.BooleanOptionalAction, default=d.metrics,
          help="answer GET /metrics in Prometheus' format, with our figures and llama-server's `llamacpp:` "
               "ones (default: on; turned off, the route answers 501 as llama-server's does without --metrics)")
