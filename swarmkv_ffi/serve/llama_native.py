@@ -21,6 +21,8 @@ IGNORED names the few that change nothing here.
 """
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -70,6 +72,7 @@ class NativeCompletion(BaseModel):
     response_fields: list[str] = Field(default_factory=list, max_length=64)
     n_probs: int = Field(0, ge=0, le=20)
     keep_alive: Union[float, str, None] = None
+    ignore_eos: bool = False                # every end-of-generation token banned (benchmarks ask for it)
 
     @field_validator("prompt")
     @classmethod
@@ -115,10 +118,12 @@ class NativeCompletion(BaseModel):
         """The completion with llama-server's logit_bias read against the model: {token:
         bias} or [[token, bias], ...], a token given as its id or as text (each of the
         text's tokens gets the bias), `false` banning it; as OpenAI's {id: bias in
-        [-100, 100]} (the route checks the ids against the vocabulary)."""
-        if not self.logit_bias:
+        [-100, 100]} (the route checks the ids against the vocabulary). A ban (`false`, and
+        with ignore_eos every end-of-generation token) is -inf, as llama-server's."""
+        if not self.logit_bias and not self.ignore_eos:
             return asked
-        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        pairs = self.logit_bias or []
+        pairs = pairs.items() if isinstance(pairs, dict) else pairs
         bias: dict[int, float] = {}
         for pair in pairs:
             if len(pair) != 2 or isinstance(pair[1], str):
@@ -128,11 +133,19 @@ class NativeCompletion(BaseModel):
             ids = [int(token)] if isinstance(token, int) or str(token).lstrip("-").isdigit() else \
                 [int(t) for t in model.tokenize(str(token)[:512], add_special=False)]
             for t in ids:
-                bias[t] = -100.0 if value is False else max(-100.0, min(100.0, float(value)))
+                bias[t] = -math.inf if value is False else max(-100.0, min(100.0, float(value)))
+        if self.ignore_eos:                 # over any bias given for them, as llama-server adds its bans last
+            bias.update(dict.fromkeys(end_tokens(model), -math.inf))
         if len(bias) > MAX_LOGIT_BIAS:
             raise Refused(400, f"logit_bias: {len(bias)} tokens; at most {MAX_LOGIT_BIAS}", "invalid_value",
                           "logit_bias")
         return asked.model_copy(update={"logit_bias": bias})
+
+
+@functools.lru_cache(maxsize=16)
+def end_tokens(model) -> tuple[int, ...]:
+    """The model's end-of-generation tokens (EOS, EOT, ...), read off its vocabulary once."""
+    return tuple(t for t in range(model.n_vocab) if model.is_eog(t))
 
 
 class NativeAsked(CompletionRequest):
@@ -220,7 +233,10 @@ class NativeShape:
             "generation_settings": {"n_predict": call.max_tokens, "seed": body.seed if body.seed is not None else -1,
                                     "temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p,
                                     "min_p": body.min_p, "stop": body.stops(), "stream": body.stream,
-                                    "repeat_penalty": body.repeat_penalty},
+                                    "repeat_penalty": body.repeat_penalty,
+                                    # llama-server's list; a ban (-inf) is null in JSON there
+                                    "logit_bias": [{"token": t, "bias": None if math.isinf(b) else b}
+                                                   for t, b in (body.logit_bias or {}).items()]},
             "prompt": self._detokenize(call.prompts[choice.index // body.n]),
             "has_new_line": "\n" in choice.text.sent, "truncated": False, "stop_type": stop_type,
             "stopping_word": getattr(choice.text, "stop_string", "") if choice.text.stopped else "",

@@ -263,3 +263,19 @@ def test_the_assistants_last_words_are_continued_and_two_at_the_end_refused(serv
     assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
     twice = post(server, "/v1/chat/completions", {"messages": said + [{"role": "assistant", "content": "x"}]})
     assert twice.status_code == 400 and "2 or more assistant messages" in twice.json()["error"]["message"]
+
+
+def test_ignore_eos_bans_every_end_token_and_says_so_in_the_settings(server, smol):
+    """An end-of-generation token pushed to the top ends the answer at once; with
+    ignore_eos it is banned (-inf, null in the settings as llama-server writes it) and the
+    answer runs to n_predict."""
+    push = {"prompt": "Once upon a time", "n_predict": 12, "temperature": 0, "logit_bias": [[smol.eos, 100]]}
+    ended = post(server, "/completion", push).json()
+    assert ended["stop_type"] == "eos" and ended["content"] == ""
+    assert ended["generation_settings"]["logit_bias"] == [{"token": smol.eos, "bias": 100.0}]
+    ran = post(server, "/completion", {**push, "ignore_eos": True}).json()
+    assert ran["stop_type"] == "limit" and ran["tokens_predicted"] == 12
+    banned = ran["generation_settings"]["logit_bias"]
+    assert smol.eos in {b["token"] for b in banned} and all(b["bias"] is None for b in banned)
+    plain = post(server, "/completion", {"prompt": "Once upon a time", "n_predict": 2}).json()
+    assert plain["generation_settings"]["logit_bias"] == []
