@@ -25,7 +25,7 @@ KV_TYPES = {name: library.enum("ggml_type")[f"GGML_TYPE_{name.upper()}"]
 FLASH_ATTN = {name: library.enum("llama_flash_attn_type")[f"LLAMA_FLASH_ATTN_TYPE_{c}"]
               for name, c in (("auto", "AUTO"), ("off", "DISABLED"), ("on", "ENABLED"))}
 POOLING = {name: library.enum("llama_pooling_type")[f"LLAMA_POOLING_TYPE_{name.upper()}"]
-           for name in ("unspecified", "none", "mean", "rank")}
+           for name in ("unspecified", "none", "mean", "cls", "last", "rank")}
 
 
 @dataclass

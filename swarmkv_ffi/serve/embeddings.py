@@ -36,9 +36,26 @@ EMBED_SEQS = 16
 MAX_INPUTS = 2048
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ContentInput(BaseModel):
+    """llama-server's multimodal input, {"content": text or parts}: here text parts only
+    (a served model reads no images, audio or video), joined."""
+    model_config = ConfigDict(extra="forbid")
+    content: Union[str, list[TextPart]]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class EmbeddingsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    input: Union[str, list[int], list[Union[str, list[int]]]]     # several: text and ids mixed, as llama-server
+    # several: text, ids and content objects mixed, as llama-server takes them
+    input: Union[str, list[int], list[Union[str, list[int], ContentInput]]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
@@ -50,20 +67,25 @@ class EmbeddingsRequest(BaseModel):
             return [x]
         if x and all(isinstance(t, int) for t in x):
             return [list(x)]
-        return list(x)
+        return [t.text() if isinstance(t, ContentInput) else t for t in x]
 
 
 class Embedder:
     """A model's embeddings context and its ledger booking; pooled() serialises callers.
-    `rank`: the context pools by the model's classification head instead (rerank.py)."""
+    `pooling`: --pooling's choice (None: the model's own, mean where it has none), or
+    "rank", by the model's classification head (rerank.py)."""
 
-    def __init__(self, model, ledger, key: str, n_threads: int | None = None, rank: bool = False):
+    def __init__(self, model, ledger, key: str, n_threads: int | None = None, pooling: str | None = None):
+        if pooling == "none":
+            raise Refused(400, "embeddings here are one pooled vector per input, and this server runs with "
+                          "--pooling none", "invalid_request_error", "input")
+        rank = pooling == "rank"
         kw = {"n_threads": n_threads} if n_threads else {}
         # kv_unified: the whole decode in one ubatch (split per sequence, an input longer than
         # another was pooled over its last rows only: 0.21 off its vector alone).
         kw.update(n_ctx=EMBED_CELLS, n_batch=EMBED_CELLS, n_ubatch=EMBED_CELLS, n_seq_max=EMBED_SEQS,
                   kv_unified=True, embeddings=True)
-        ctx = Context(model, pooling="rank" if rank else "unspecified", **kw)
+        ctx = Context(model, pooling=pooling or "unspecified", **kw)
         if ctx.pooling == "none":                  # a generative model: mean over the input's rows
             ctx.close()
             ctx = Context(model, pooling="mean", **kw)

@@ -41,6 +41,7 @@ class HostedModel:
     chat_template: str | None = None
     reads_thoughts: bool = True          # --reasoning-format auto or deepseek
     thinking: bool = True                # --reasoning on or auto: the template's enable_thinking
+    pooling: str | None = None           # --pooling: how embeddings pool (None: the model's, else mean)
     _pooling: dict[bool, Embedder] = dataclasses.field(default_factory=dict)   # rank? -> its context
     _pooling_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -59,7 +60,7 @@ class HostedModel:
         templates.longest_token(pool.model)      # its vocabulary read now, not by the first request
         template = templates.read_file(settings.chat_template_file) if settings.chat_template_file else None
         return cls(spec.name, pool, cells, sized, tier, settings.default_max_tokens, template,
-                   settings.reasoning_format != "none", settings.reasoning != "off")
+                   settings.reasoning_format != "none", settings.reasoning != "off", settings.pooling)
 
     @property
     def model(self):
@@ -119,7 +120,8 @@ class HostedModel:
             if rank not in self._pooling:
                 conductor = self.pool.conductor
                 key = (ledger_keys.ranker if rank else ledger_keys.embeddings)(self.name)
-                self._pooling[rank] = Embedder(self.model, conductor.ledger, key, conductor.n_threads, rank=rank)
+                self._pooling[rank] = Embedder(self.model, conductor.ledger, key, conductor.n_threads,
+                                               "rank" if rank else self.pooling)
             return self._pooling[rank]
 
     def close(self) -> None:

@@ -48,6 +48,7 @@ class Settings:
     cors_origins: str | None = None          # web pages that may call the API from a browser (app.cors)
     metrics: bool = True                     # GET /metrics answers (off: 501, llama-server's without --metrics)
     reranking: bool = False                  # POST /rerank answers (rerank.py), as llama-server's --reranking
+    pooling: str | None = None               # embeddings' pooling (None: the model's own, else mean)
     metrics_key: str | None = None           # a scrape with it sees the whole server's /metrics
     stored_responses: int = 256              # the Responses API's stored responses per key (stored.py)
     stored_responses_mib: int = 64           # ... and their text, per key
@@ -197,6 +198,10 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
     keys.add_argument(f"--{prefix}api-key-file", type=Path, default=d.api_key_file,
                       help="one key per line (optionally followed by a name): each key is an owner "
                            "with its own fair share, quota and cache")
+    flag("pooling", choices=("mean", "cls", "last", "none"), default=d.pooling,
+         help="how /v1/embeddings pools an input's rows into its vector, as llama-server's --pooling "
+              "(default: the model's own, mean for a generative model; none is refused there: OpenAI's "
+              "shape is one vector per input)")
     flag("reranking", action="store_true",
          help="answer POST /rerank (llama-server's route, Jina's and TEI's shapes) with the model's "
               "classification head; a reranker model is meant (a generative model's scores rank nothing)")

@@ -67,3 +67,33 @@ def test_dimensions_other_than_the_models_are_refused(server, smol):
 def test_the_bare_route_answers_too(server):
     reply = requests.post(server.url + "/embeddings", json={"input": "Hi"}, timeout=60)
     assert reply.status_code == 200 and reply.json()["data"][0]["object"] == "embedding"
+
+
+def embed(server, body: dict) -> requests.Response:
+    return requests.post(server.url + "/v1/embeddings", json=body, timeout=60)
+
+
+def test_llama_servers_content_objects_are_their_text(server):
+    """{"content": text or text parts}, as llama-server takes it: the same vector as the
+    text itself; parts it cannot read (images, audio, unknown) are a 400."""
+    got = embed(server, {"input": ["hello world", {"content": [{"type": "text", "text": "hello "},
+                                                               {"type": "text", "text": "world"}]},
+                                   {"content": "hello world"}], "encoding_format": "float"}).json()["data"]
+    assert np.allclose(got[0]["embedding"], got[1]["embedding"], atol=1e-5)
+    assert np.allclose(got[0]["embedding"], got[2]["embedding"], atol=1e-5)
+    for bad in ({"content": "string"}, [{"content": [{"type": "unknown"}]}],
+                [{"content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]):
+        assert embed(server, {"input": bad}).status_code == 400
+
+
+def test_pooling_is_the_operators_choice_as_llama_servers(tmp_path):
+    """--pooling last gives another vector than the default mean; --pooling none is refused
+    by /v1/embeddings (OpenAI's shape is one vector per input), as llama-server refuses it."""
+    def served(*flags) -> requests.Response:
+        with Serve("--ctx-size", "1024", *flags, log=tmp_path / "serve.log") as s:
+            return embed(s, {"input": "The cat sat on the mat.", "encoding_format": "float"})
+    mean, last = served(), served("--pooling", "last")
+    a, b = np.array(mean.json()["data"][0]["embedding"]), np.array(last.json()["data"][0]["embedding"])
+    assert np.isclose(np.linalg.norm(b), 1, atol=1e-5) and a @ b < 0.99
+    refused = served("--pooling", "none")
+    assert refused.status_code == 400 and "--pooling none" in refused.json()["error"]["message"]
