@@ -49,11 +49,18 @@ IGNORED = {
 }
 
 
+class PromptObject(BaseModel):
+    """llama-server's prompt as an object: its text (`prompt_string`); `multimodal_data`
+    is refused by name, as no served model reads media."""
+    model_config = ConfigDict(extra="forbid")
+    prompt_string: str
+
+
 class NativeCompletion(BaseModel):
     """llama-server's /completion body, as far as the engine acts on it."""
     model_config = ConfigDict(extra="allow")
 
-    prompt: Union[str, list[int], list[Union[str, list[int]]]]
+    prompt: Union[str, list[int], PromptObject, list[Union[str, list[int], PromptObject]]]
     model: str | None = None
     n_predict: int = Field(-1, ge=-1)
     stream: bool = False
@@ -105,14 +112,14 @@ class NativeCompletion(BaseModel):
             "n_probs": self.n_probs})
 
     def _prompts(self):
-        """The prompt as OpenAI's field takes it: one text or token list, or several of one kind."""
+        """The prompt as the engine takes it: one text or token list, or several of them,
+        text and tokens mixed as llama-server allows; a prompt object is its text."""
         p = self.prompt
+        if isinstance(p, PromptObject):
+            return p.prompt_string
         if isinstance(p, str) or all(isinstance(t, int) for t in p):
             return p
-        if len({isinstance(x, str) for x in p}) > 1:
-            raise Refused(400, "prompt: several prompts must all be text or all be token lists",
-                          "invalid_value", "prompt")
-        return p
+        return [x.prompt_string if isinstance(x, PromptObject) else x for x in p]
 
     def with_model(self, model, asked: "NativeAsked") -> "NativeAsked":
         """The completion with llama-server's logit_bias read against the model: {token:
@@ -150,7 +157,9 @@ def end_tokens(model) -> tuple[int, ...]:
 
 class NativeAsked(CompletionRequest):
     """A native completion as the engine runs it: no limit means as far as the context
-    and --default-max-tokens allow (OpenAI's completions default to 16)."""
+    and --default-max-tokens allow (OpenAI's completions default to 16); several prompts
+    may mix text and tokens."""
+    prompt: Union[str, list[int], list[Union[str, list[int]]]]
     return_tokens: bool = False
     n_probs: int = 0
 

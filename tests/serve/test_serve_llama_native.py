@@ -279,3 +279,18 @@ def test_ignore_eos_bans_every_end_token_and_says_so_in_the_settings(server, smo
     assert smol.eos in {b["token"] for b in banned} and all(b["bias"] is None for b in banned)
     plain = post(server, "/completion", {"prompt": "Once upon a time", "n_predict": 2}).json()
     assert plain["generation_settings"]["logit_bias"] == []
+
+
+def test_prompts_may_mix_text_and_tokens_or_come_as_prompt_objects(server, smol):
+    """llama-server takes several prompts of both kinds at once, and a prompt as an object
+    (`prompt_string`); media in it (`multimodal_data`) is refused, as no served model reads it."""
+    text = "I believe the meaning of life is"
+    tokens = [int(t) for t in smol.tokenize(text, add_special=True)]
+    greedy = {"n_predict": 6, "temperature": 0}
+    mixed = post(server, "/completion", {"prompt": [tokens, text, {"prompt_string": text}], **greedy}).json()
+    # the same prompt each time (the answers may round apart: they share one batch)
+    assert len(mixed) == 3 and len({(m["prompt"], m["tokens_evaluated"] + m["tokens_cached"]) for m in mixed}) == 1
+    alone = post(server, "/completion", {"prompt": {"prompt_string": text}, **greedy}).json()
+    assert alone["prompt"] == mixed[0]["prompt"] and alone["content"]
+    media = post(server, "/completion", {"prompt": {"prompt_string": text, "multimodal_data": "AAAA"}})
+    assert media.status_code == 400
