@@ -438,7 +438,18 @@ async def read_body(request: Request, schema, s: Served):
     except TimeoutError:
         raise Refused(408, f"the body did not arrive within {settings.read_timeout:g} s (--read-timeout)",
                       "request_timeout") from None
-    return await asyncio.to_thread(parse_body, raw, schema)
+    return sampling_defaults(await asyncio.to_thread(parse_body, raw, schema), settings)
+
+
+def sampling_defaults(body, settings: Settings):
+    """The body with the server's --temp and --seed where it gives no temperature or seed
+    of its own (llama-server's defaults for every request); bodies without those fields as
+    they are."""
+    fields = type(body).model_fields
+    seed = settings.seed if settings.seed is not None and settings.seed >= 0 else None    # -1: random, as there
+    update = {name: value for name, value in (("temperature", settings.temperature), ("seed", seed))
+              if value is not None and name in fields and name not in body.model_fields_set}
+    return body.model_copy(update=update) if update else body
 
 
 def body_bound(engine: ServeEngine) -> tuple[int, int] | None:

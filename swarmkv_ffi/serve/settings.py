@@ -49,6 +49,8 @@ class Settings:
     metrics: bool = True                     # GET /metrics answers (off: 501, llama-server's without --metrics)
     reranking: bool = False                  # POST /rerank answers (rerank.py), as llama-server's --reranking
     pooling: str | None = None               # embeddings' pooling (None: the model's own, else mean)
+    temperature: float | None = None         # --temp: a request's temperature when it gives none
+    seed: int | None = None                  # --seed: a request's seed when it gives none
     metrics_key: str | None = None           # a scrape with it sees the whole server's /metrics
     stored_responses: int = 256              # the Responses API's stored responses per key (stored.py)
     stored_responses_mib: int = 64           # ... and their text, per key
@@ -83,6 +85,8 @@ class Settings:
         """A clear ValueError for a setting that cannot work, before anything loads."""
         if len(self.models) > 1 and self.name is not None:
             raise ValueError("--name renames a single --model; with several, clients send each as given")
+        if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"--temp must be in 0..2, got {self.temperature:g}")
         if len(set(self.models)) != len(self.models):
             raise ValueError(f"a --model is given twice: {', '.join(self.models)}")
         if self.keep_alive is not None:
@@ -198,6 +202,12 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
     keys.add_argument(f"--{prefix}api-key-file", type=Path, default=d.api_key_file,
                       help="one key per line (optionally followed by a name): each key is an owner "
                            "with its own fair share, quota and cache")
+    flag("temp", dest=f"{prefix.replace('-', '_')}temperature", type=float, default=d.temperature, metavar="T",
+         help="the temperature of every request that gives none, as llama-server's --temp (default: each API's "
+              "own: 1.0 for OpenAI's and Anthropic's, 0.8 for llama-server's /completion)")
+    flag("seed", type=int, default=d.seed,
+         help="the seed of every request that gives none, as llama-server's --seed: the same request then "
+              "draws the same answer (default: none, a fresh draw each time)")
     flag("pooling", choices=("mean", "cls", "last", "none"), default=d.pooling,
          help="how /v1/embeddings pools an input's rows into its vector, as llama-server's --pooling "
               "(default: the model's own, mean for a generative model; none is refused there: OpenAI's "

@@ -182,10 +182,11 @@ def test_llama_suite_shim_maps_llama_servers_flags():
             "--alias", "tinyllama-2", "--ctx-size", "256", "--parallel", "2", "--n-predict", "64", "--no-jinja",
             "--api-key", "k1234567", "--chat-template-file", "t.jinja"]
     cmd, dropped = command_for("ours", "/m.gguf", argv)
-    assert cmd[cmd.index("serve"):] == ["serve", "--model", "/m.gguf", "--port", "8080", "--name", "tinyllama-2",
+    assert cmd[cmd.index("serve"):] == ["serve", "--model", "/m.gguf", "--port", "8080", "--temp", "0.8",
+                                        "--name", "tinyllama-2",
                                         "--ctx-size", "256", "--default-max-tokens", "64", "--api-key", "k1234567",
                                         "--chat-template-file", "t.jinja", "--no-metrics"]
-    assert dropped == ["--temp", "--parallel", "--no-jinja"]
+    assert dropped == ["--parallel", "--no-jinja"]
     assert "--no-metrics" not in command_for("ours", "/m.gguf", argv + ["--metrics"])[0]
     theirs, none = command_for("llama-server", "/m.gguf", argv)
     assert theirs[1:3] == ["--model", "/m.gguf"] and "--hf-repo" not in theirs and "--parallel" in theirs

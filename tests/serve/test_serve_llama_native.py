@@ -294,3 +294,17 @@ def test_prompts_may_mix_text_and_tokens_or_come_as_prompt_objects(server, smol)
     assert alone["prompt"] == mixed[0]["prompt"] and alone["content"]
     media = post(server, "/completion", {"prompt": {"prompt_string": text, "multimodal_data": "AAAA"}})
     assert media.status_code == 400
+
+
+def test_temp_and_seed_are_every_requests_defaults(tmp_path):
+    """llama-server's --temp and --seed: a request that gives no temperature or seed gets
+    them (so it draws the same answer each time), one that gives its own keeps it."""
+    with Serve("--ctx-size", "1024", "--temp", "1.5", "--seed", "7", log=tmp_path / "serve.log") as s:
+        def said(path: str, **given) -> str:
+            body = {"prompt": "Once upon a time", "n_predict": 12, **given} if path == "/completion" else \
+                {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 12, **given}
+            reply = post(s, path, body, key=None).json()
+            return reply["content"] if path == "/completion" else reply["choices"][0]["message"]["content"]
+        for path in ("/completion", "/v1/chat/completions"):
+            assert said(path) == said(path) == said(path, temperature=1.5, seed=7)
+            assert said(path, temperature=0) == said(path, temperature=0, seed=99)
