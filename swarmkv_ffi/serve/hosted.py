@@ -102,11 +102,12 @@ class HostedModel:
 
     def max_tokens_for(self, prompts: list[list[int]], asked: int | None, what: str) -> int:
         """max_tokens for a request: as asked, or what the context leaves (at most
-        --default-max-tokens); 400 in OpenAI's words when the longest prompt does not fit.
+        --default-max-tokens, unless that is -1); 400 in OpenAI's words when the longest prompt does not fit.
         `what`: "messages" or "prompt", the field at fault."""
         longest = max(len(p) for p in prompts)
         if asked is None:
-            asked = min(self.default_max_tokens, self.max_context - longest)
+            room = self.max_context - longest
+            asked = room if self.default_max_tokens == -1 else min(self.default_max_tokens, room)
         try:
             self.pool.check(longest, asked)
         except ContextFull as exc:

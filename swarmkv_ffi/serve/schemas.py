@@ -195,6 +195,7 @@ class Sampling(BaseModel):
     model_config = STRICT
     model: str | None = None                                 # optional where one model is served
     max_tokens: int | None = Field(None, ge=1)
+    n_predict: int | None = Field(None, ge=-1)               # llama-server's name for max_tokens (-1: none)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)                              # llama-server's and vLLM's extra
@@ -236,6 +237,10 @@ class Sampling(BaseModel):
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def predict(self) -> int | None:
+        """llama-server's n_predict, where it sets a limit (not -1 or 0)."""
+        return self.n_predict if self.n_predict and self.n_predict > 0 else None
 
     def settings(self, choice: int, max_tokens: int) -> dict:
         """The Sampler's settings for choice `choice`: each choice its own seed, so n > 1
@@ -279,7 +284,7 @@ class ChatRequest(Sampling):
     continue_final_message: bool | None = None  # vLLM's: continue the assistant's last message (None: if last)
 
     def limit(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_completion_tokens or self.max_tokens or self.predict()
 
     def ranked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -294,7 +299,9 @@ class CompletionRequest(Sampling):
     suffix: str | None = None
 
     def limit(self) -> int | None:
-        return self.max_tokens if self.max_tokens is not None else 16   # OpenAI's default here
+        if self.max_tokens is not None or self.n_predict is not None:
+            return self.max_tokens or self.predict()
+        return 16                           # OpenAI's default here
 
     def ranked(self) -> int | None:
         return self.logprobs

@@ -98,8 +98,10 @@ class Settings:
             raise ValueError(f"--ctx-size must be at least {lineup.MIN_CELLS} cells, got {self.ctx_size}")
         if not 2 <= self.parallel <= MAX_SEQS - 1:
             raise ValueError(f"--parallel must be in 2..{MAX_SEQS - 1}, got {self.parallel}")
-        if self.default_max_tokens < 1 or self.max_requests < 1 or (self.max_requests_per_key or 1) < 1:
-            raise ValueError("--default-max-tokens, --max-requests and --max-requests-per-key must be >= 1")
+        if self.default_max_tokens < 1 and self.default_max_tokens != -1:
+            raise ValueError("--default-max-tokens must be >= 1, or -1 for as far as the context allows")
+        if self.max_requests < 1 or (self.max_requests_per_key or 1) < 1:
+            raise ValueError("--max-requests and --max-requests-per-key must be >= 1")
         if self.host_cache_mib is not None and not 0 <= self.host_cache_mib <= 1 << 24:
             raise ValueError(f"--host-cache-mib must be in 0..{1 << 24} (0: off), got {self.host_cache_mib}")
         if self.max_body_bytes < 1024:
@@ -237,7 +239,8 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
          help="let every key reuse every key's cached prefixes (off: a cached prefix's speed would "
               "tell one key what another asked)")
     flag("default-max-tokens", type=int, default=d.default_max_tokens,
-         help="max_tokens of a chat request that sends none (default: %(default)s)")
+         help="max_tokens of a chat request that sends none; -1: as far as the context allows, as "
+              "llama-server's --n-predict -1 (default: %(default)s)")
     flag("max-requests", type=int, default=d.max_requests,
          help="choices running or queued at once, all keys (default: %(default)s; more get 503)")
     flag("max-requests-per-key", type=int, default=d.max_requests_per_key,

@@ -310,7 +310,7 @@ def test_metrics_count_requests_by_api(server):
     claude(server).messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
     after = counts()
     assert {api: after[api] - before[api] for api in after} == {"chat": 0, "completions": 0, "responses": 1,
-                                                                "messages": 2, "embeddings": 0}
+                                                                "messages": 2, "embeddings": 0, "rerank": 0}
 
 
 # ---- what llama-server's own clients read (its suite, test_compat_*.py) -------------------------

@@ -308,3 +308,21 @@ def test_temp_and_seed_are_every_requests_defaults(tmp_path):
         for path in ("/completion", "/v1/chat/completions"):
             assert said(path) == said(path) == said(path, temperature=1.5, seed=7)
             assert said(path, temperature=0) == said(path, temperature=0, seed=99)
+
+
+def test_n_predict_is_max_tokens_on_openais_routes_too(server):
+    """llama-server reads n_predict on its OpenAI routes as well."""
+    text = post(server, "/v1/completions", {"prompt": "Once upon a time", "n_predict": 5, "temperature": 0}).json()
+    assert text["usage"]["completion_tokens"] == 5 and text["choices"][0]["finish_reason"] == "length"
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story."}],
+                                                 "n_predict": 3, "temperature": 0}).json()
+    assert chat["usage"]["completion_tokens"] == 3
+
+
+def test_default_max_tokens_minus_one_runs_to_the_context(tmp_path):
+    """--default-max-tokens -1 (llama-server's --n-predict -1): an answer that sets no limit
+    goes on until the context is full."""
+    with Serve("--ctx-size", "256", "--default-max-tokens", "-1", log=tmp_path / "serve.log") as s:
+        ran = post(s, "/completion", {"prompt": "Hi", "ignore_eos": True, "temperature": 0}, key=None).json()
+        most = requests.get(s.url + "/props", timeout=30).json()["default_generation_settings"]["n_ctx"]
+    assert ran["tokens_predicted"] + ran["tokens_evaluated"] == most > 250 and ran["stop_type"] == "limit"
