@@ -46,6 +46,7 @@ IGNORED = {
     "timings_per_token": "timings come with the final object",
     "return_progress": "the prompt is read in one go: there is no progress to report",
     "samplers": "the sampler chain is fixed: penalties, top_k, top_p, min_p, temperature",
+    "verbose": "the answer is llama-server's __verbose object already",
 }
 
 

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .. import grammar
-from . import anthropic, dialects, llama_native, openai_responses, structured, templates, volatile
+from . import anthropic, dialects, llama_native, openai_responses, structured, telemetry, templates, volatile
 from . import embeddings as embeddings_api
 from . import rerank as rerank_api
 from .calls import Call
@@ -581,7 +581,10 @@ async def answer(request: Request, call: Call, shape):
     failed = call.failure()
     if failed is not None:
         raise failed
-    return JSONResponse(shape.whole(call), headers=headers)
+    whole = shape.whole(call)
+    if getattr(call.body, "verbose", False) and isinstance(whole, dict):
+        whole["__verbose"] = telemetry.verbose(call)
+    return JSONResponse(whole, headers=headers)
 
 
 async def watch_disconnect(request: Request, call: Call) -> None:

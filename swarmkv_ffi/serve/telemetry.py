@@ -1,7 +1,8 @@
 """llama-server's own telemetry, for clients written against it.
 
 `timings_per_token` asks for a `timings` object on every streamed event, and the final
-answer carries one anyway; `return_progress` asks for a `prompt_progress` event while the
+answer carries one anyway; `verbose` asks for a whole answer's `__verbose` object (what was
+read and written, as llama-server's debug field has it); `return_progress` asks for a `prompt_progress` event while the
 prompt is read. Their fields are llama-server's (tools/server/server-common.cpp). Ours are
 measured from the request's start, so prompt_ms includes time spent waiting for a seat;
 generation's rates count the steps after the first token (which came with the prompt's last
@@ -45,3 +46,15 @@ def progress(call, choice) -> dict:
 def cached_tokens(choice) -> int:
     request = choice.job.request if choice.job is not None else None
     return request.cached if request is not None else 0
+
+
+def verbose(call) -> dict:
+    """llama-server's `__verbose` of a whole answer: its first choice's prompt as text (special
+    tokens written out), what it wrote, its token counts and timings. The caller's own prompt:
+    nothing of another request's."""
+    choice = call.choices[0]
+    prompt = call.prompts[0]
+    generated = len(choice.result.generated) if choice.result is not None else 0
+    return {"prompt": call.hosted.model.detokenize(prompt, unparse_special=True), "content": choice.text.sent,
+            "tokens_evaluated": len(prompt) - cached_tokens(choice), "tokens_cached": cached_tokens(choice),
+            "tokens_predicted": generated, "timings": timings(call, choice)}

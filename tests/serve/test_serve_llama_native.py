@@ -326,3 +326,15 @@ def test_default_max_tokens_minus_one_runs_to_the_context(tmp_path):
         ran = post(s, "/completion", {"prompt": "Hi", "ignore_eos": True, "temperature": 0}, key=None).json()
         most = requests.get(s.url + "/props", timeout=30).json()["default_generation_settings"]["n_ctx"]
     assert ran["tokens_predicted"] + ran["tokens_evaluated"] == most > 250 and ran["stop_type"] == "limit"
+
+
+def test_verbose_adds_what_was_read_and_written(server):
+    """llama-server's `verbose`: a whole answer carries `__verbose`, the prompt as the model
+    read it (its template's special tokens written out) and what it wrote; not without it."""
+    said = {"messages": [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}],
+            "max_tokens": 2}
+    shown = post(server, "/chat/completions", {**said, "verbose": True}).json()
+    assert shown["__verbose"]["prompt"].startswith("<|im_start|>system\nBook<|im_end|>")
+    assert shown["__verbose"]["content"] == shown["choices"][0]["message"]["content"]
+    assert shown["__verbose"]["tokens_predicted"] == shown["usage"]["completion_tokens"]
+    assert "__verbose" not in post(server, "/chat/completions", said).json()
