@@ -58,6 +58,7 @@ LAYERS: list[list[str]] = [
     ["serve.openai_responses"],                                         # the Responses API, as a chat request
     ["serve.anthropic", "serve.llama_native"],                          # the Messages API; llama-server's own routes
     ["serve.routes"],
+    ["serve.vertex"],                                                   # Google Vertex AI's /predict
     ["serve.app"],
     ["serve.http", "serve.on_ray"],
     ["serve.cli"],

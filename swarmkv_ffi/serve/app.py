@@ -13,6 +13,7 @@
     POST /apply-template, /completion, /completions, /tokenize, /detokenize   llama-server's own
          (llama_native.py); /health, /models, /chat/completions, /responses without /v1 too
     POST /rerank (/reranking, /v1/rerank, /v1/reranking)   llama-server's, with --reranking (rerank.py)
+    POST /predict                Google Vertex AI's, when AIP_MODE=PREDICTION (vertex.py)
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import PlainTextResponse
 
-from . import errors, routes
+from . import errors, routes, vertex
 from .engine import ServeEngine
 from .keys import Keys
 from .settings import Settings
@@ -53,6 +54,7 @@ def create_app(engine: ServeEngine, keys: Keys, settings: Settings) -> FastAPI:
     app.add_api_route("/props", routes.props, methods=["GET"])
     app.add_api_route("/props", routes.not_supported, methods=["POST"])
     app.add_api_route("/slots", routes.not_supported, methods=["GET"])
+    vertex.install(app)                 # Google Vertex AI's /predict, when it runs the server
     add_middleware(app, settings.cors_origins)
     return app
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from . import settings as server_settings
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.ray is not None:
         from .on_ray import run
         return run(args, settings, keys.mapping())
+    if os.environ.get("AIP_MODE") == "PREDICTION" and os.environ.get("AIP_HTTP_PORT"):
+        args.port = int(os.environ["AIP_HTTP_PORT"])     # Vertex AI says where to listen (serve/vertex.py)
     engine = ServeEngine(settings, keys, threads=args.threads, budget_bytes=args.budget_bytes)
     app = create_app(engine, keys, settings)
     http = server(engine, uvicorn_config(app, args.host, args.port, settings, args.verbose))
