@@ -25,7 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="swarmkv serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     server_settings.add_arguments(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on, or several comma-separated (127.0.0.1,::1), as llama-server's "
+                        "(default: loopback)")
     p.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: libllama's)")
     p.add_argument("--budget-bytes", type=int, default=None,
@@ -53,6 +55,8 @@ def check_args(args, settings: Settings):
     settings.check()
     if args.replicas < 1 or args.route_imbalance < 1:
         raise ValueError("--replicas and --route-imbalance must be >= 1")
+    if args.ray is not None and "," in args.host:
+        raise ValueError("--ray listens on one address; give --host one")
     if args.ray is not None and settings.cache_dir is not None:
         raise ValueError("--cache-dir is per machine; with --ray each replica keeps its prefixes in its pool")
     return settings.keys(args.host)
@@ -61,7 +65,7 @@ def check_args(args, settings: Settings):
 def main(argv: list[str] | None = None) -> int:
     from .app import create_app
     from .engine import ServeEngine
-    from .http import server, uvicorn_config
+    from .http import listening, server, uvicorn_config
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("swarmkv_ffi.llama").setLevel(logging.INFO if args.verbose else logging.CRITICAL)
@@ -74,10 +78,12 @@ def main(argv: list[str] | None = None) -> int:
         args.port = int(os.environ["AIP_HTTP_PORT"])     # Vertex AI says where to listen (serve/vertex.py)
     engine = ServeEngine(settings, keys, threads=args.threads, budget_bytes=args.budget_bytes)
     app = create_app(engine, keys, settings)
-    http = server(engine, uvicorn_config(app, args.host, args.port, settings, args.verbose))
-    announce(engine, settings, f"http://{args.host}:{args.port}/v1{'' if keys.required else ' (no API key)'}")
+    hosts = [h.strip() for h in args.host.split(",")]
+    http = server(engine, uvicorn_config(app, hosts[0], args.port, settings, args.verbose))
+    where = ", ".join(f"http://{f'[{h}]' if ':' in h else h}:{args.port}/v1" for h in hosts)
+    announce(engine, settings, where + ("" if keys.required else " (no API key)"))
     try:
-        http.run()
+        http.run(sockets=listening(hosts, args.port) if len(hosts) > 1 else None)
     finally:
         engine.close()
     return 0

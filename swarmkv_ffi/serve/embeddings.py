@@ -34,6 +34,9 @@ EMBED_CELLS = 2048
 EMBED_SEQS = 16
 #: Inputs one request may hold (OpenAI's limit).
 MAX_INPUTS = 2048
+#: Tokens one request may hold in all: the context is one per model, shared by every key's
+#: requests one at a time, so one request may not hold it for minutes.
+MAX_REQUEST_TOKENS = 32 * EMBED_CELLS
 
 
 class TextPart(BaseModel):
@@ -164,7 +167,16 @@ def tokens_of(model, body: EmbeddingsRequest) -> list[list[int]]:
             raise Refused(400, f"input[{i}]: {len(tokens)} tokens is too large; an input takes 1 to {EMBED_CELLS}",
                           "context_length_exceeded", "input")
         out.append(tokens)
-    return out
+    return within_request(out, "input")
+
+
+def within_request(inputs: list[list[int]], field: str) -> list[list[int]]:
+    """The inputs, or a 400 when together they are over MAX_REQUEST_TOKENS."""
+    total = sum(map(len, inputs))
+    if total > MAX_REQUEST_TOKENS:
+        raise Refused(400, f"{field}: {total} tokens in all; one request takes at most {MAX_REQUEST_TOKENS} "
+                      "(split it)", "context_length_exceeded", field)
+    return inputs
 
 
 def answer(name: str, vectors: np.ndarray, n_tokens: int, encoding: str) -> dict:

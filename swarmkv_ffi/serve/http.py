@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import threading
 import time
 
@@ -59,6 +60,26 @@ def uvicorn_config(app, host: str, port: int, settings: Settings, verbose: int):
                                               send_timeout=settings.send_timeout,
                                               max_body_bytes=settings.max_body_bytes),
                           timeout_keep_alive=5, timeout_graceful_shutdown=GRACE_S)
+
+
+def listening(hosts: list[str], port: int) -> list[socket.socket]:
+    """A socket bound to `port` on each address, for uvicorn to serve on all of them (its
+    Config takes one host); an IPv6 one takes IPv6 only, so 0.0.0.0 and :: can go together."""
+    out = []
+    try:
+        for host in hosts:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            out.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        for sock in out:
+            sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return out
 
 
 def parse_address(address: str) -> tuple[str, int]:

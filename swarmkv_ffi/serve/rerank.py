@@ -26,7 +26,7 @@ import logging
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
-from .embeddings import EMBED_CELLS, MAX_INPUTS, has_rank_head
+from .embeddings import EMBED_CELLS, MAX_INPUTS, has_rank_head, within_request
 from .errors import Refused
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def tokens_of(model, body: RerankRequest) -> list[list[int]]:
             raise Refused(400, f"documents[{i}]: with the query, {len(tokens)} tokens; a pair takes at most "
                           f"{EMBED_CELLS}", "context_length_exceeded", "documents")
         out.append(tokens)
-    return out
+    return within_request(out, "documents")
 
 
 def pair(model, template: str | None, query: str, document: str) -> list[int]:

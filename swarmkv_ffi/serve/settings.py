@@ -136,7 +136,8 @@ class Settings:
         return self.max_requests if n_keys <= 1 else max(1, min(self.parallel, self.max_requests) // 2)
 
     def keys(self, host: str) -> Keys:
-        """The keys to require; none only on a loopback address (unless allowed)."""
+        """The keys to require; none only on loopback addresses (unless allowed); `host` may
+        name several, comma-separated."""
         if self.api_key is not None:
             if len(self.api_key) < 8:
                 raise ValueError("an API key must be at least 8 characters")
@@ -148,8 +149,9 @@ class Settings:
         if self.metrics_key is not None and (len(self.metrics_key) < 8 or keys.owner(f"Bearer {self.metrics_key}")
                                              not in (None, OPEN)):
             raise ValueError("--metrics-key must be at least 8 characters and no API key")
-        if not keys.required and not is_loopback(host) and not self.allow_remote_without_key:
-            raise ValueError(f"{host} is reachable from other machines and no API key is set; "
+        remote = [h for h in host.split(",") if not is_loopback(h.strip())]
+        if not keys.required and remote and not self.allow_remote_without_key:
+            raise ValueError(f"{remote[0]} is reachable from other machines and no API key is set; "
                              "pass an API key file (or allow it explicitly)")
         return keys
 

@@ -52,7 +52,8 @@ def test_alone_or_among_others_token_ids_or_text_floats_or_base64(server, smol):
 
 @pytest.mark.parametrize("inputs,param_text", [
     ("", "input[0]: 0 tokens"), ("word " * (EMBED_CELLS + 10), "input[0]: .* too large"),
-    (["Hi", [10 ** 9]], "input[1]: token"), ([[10 ** 9]], "not in the model's vocabulary"), ([], "give 1 to")])
+    (["Hi", [10 ** 9]], "input[1]: token"), ([[10 ** 9]], "not in the model's vocabulary"), ([], "give 1 to"),
+    ([[1] * EMBED_CELLS] * 33, "tokens in all")])
 def test_bad_inputs_are_refused_by_name(server, inputs, param_text):
     with pytest.raises(openai.BadRequestError, match=param_text.replace("[", r"\[").replace("]", r"\]")):
         server.client().embeddings.create(model=MODEL, input=inputs)

@@ -338,3 +338,16 @@ def test_verbose_adds_what_was_read_and_written(server):
     assert shown["__verbose"]["content"] == shown["choices"][0]["message"]["content"]
     assert shown["__verbose"]["tokens_predicted"] == shown["usage"]["completion_tokens"]
     assert "__verbose" not in post(server, "/chat/completions", said).json()
+
+
+def test_several_addresses_in_one_host(tmp_path):
+    """--host 127.0.0.1,::1 (llama-server's form) listens on both."""
+    import socket
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with Serve("--ctx-size", "1024", "--host", "127.0.0.1,::1", log=tmp_path / "serve.log") as s:
+        for url in (s.url, f"http://[::1]:{s.port}"):
+            assert requests.get(url + "/health", timeout=30).json() == {"status": "ok"}

@@ -77,7 +77,8 @@ def test_a_documents_score_does_not_depend_on_what_else_is_ranked(server):
 @pytest.mark.parametrize("body", [{"query": QUERY, "documents": []}, {"query": QUERY, "documents": None},
                                   {"query": QUERY, "documents": 123}, {"query": QUERY, "documents": [1, 2, 3]},
                                   {"documents": DOCUMENTS}, {"query": QUERY, "documents": DOCUMENTS, "top_n": -1},
-                                  {"query": QUERY, "documents": DOCUMENTS, "mystery": 1}])
+                                  {"query": QUERY, "documents": DOCUMENTS, "mystery": 1},
+                                  {"query": QUERY, "documents": ["word " * 1500] * 50}])
 def test_a_bad_body_is_a_400(server, body):
     reply = rerank(server, body)
     assert reply.status_code == 400 and reply.json()["error"]["message"]
