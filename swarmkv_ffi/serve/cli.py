@@ -10,6 +10,7 @@ docs/serve.md says more.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -32,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: libllama's)")
     p.add_argument("--budget-bytes", type=int, default=None,
                    help="memory the server may book (default: 90%% of the host's, less what others use)")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="libllama's log (-vv: uvicorn's access log)")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="libllama's log, and every whole answer carries llama-server's __verbose (the prompt as "
+                        "the model read it); -vv: uvicorn's access log too")
     ray = p.add_argument_group("on a Ray cluster (the 'distributed' extra; docs/cluster.md)")
     ray.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                      help="serve from Ray Serve replicas: a cluster's address (ray start --head prints "
@@ -70,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("swarmkv_ffi.llama").setLevel(logging.INFO if args.verbose else logging.CRITICAL)
     settings = Settings.from_args(args)
+    if args.verbose:                    # llama-server's --verbose shows each answer's __verbose too
+        settings = dataclasses.replace(settings, verbose_answers=True)
     keys = check_args(args, settings)
     if args.ray is not None:
         from .on_ray import run

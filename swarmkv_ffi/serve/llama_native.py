@@ -61,7 +61,8 @@ class NativeCompletion(BaseModel):
     """llama-server's /completion body, as far as the engine acts on it."""
     model_config = ConfigDict(extra="allow")
 
-    prompt: Union[str, list[int], PromptObject, list[Union[str, list[int], PromptObject]]]
+    # several prompts, or (ints and texts at the top) one prompt in pieces
+    prompt: Union[str, list[int], PromptObject, list[Union[str, list[int], PromptObject]], list[Union[int, str]]]
     model: str | None = None
     n_predict: int = Field(-1, ge=-1)
     stream: bool = False
@@ -123,13 +124,29 @@ class NativeCompletion(BaseModel):
         return [x.prompt_string if isinstance(x, PromptObject) else x for x in p]
 
     def with_model(self, model, asked: "NativeAsked") -> "NativeAsked":
-        """The completion with llama-server's logit_bias read against the model: {token:
-        bias} or [[token, bias], ...], a token given as its id or as text (each of the
-        text's tokens gets the bias), `false` banning it; as OpenAI's {id: bias in
-        [-100, 100]} (the route checks the ids against the vocabulary). A ban (`false`, and
-        with ignore_eos every end-of-generation token) is -inf, as llama-server's."""
+        """The completion with what needs the model read against it: a prompt in pieces
+        as one token list (pieces()), and the logit_bias (bias())."""
+        update = {}
+        if pieces(asked.prompt):
+            text = sum(len(x) for x in asked.prompt if isinstance(x, str))
+            if text > (model.n_ctx_train + 1) * templates.longest_token(model):     # not tokenized: too long
+                raise Refused(400, f"prompt: {text} characters cannot fit the model's context",
+                              "context_length_exceeded", "prompt")
+            update["prompt"] = [int(t) for i, piece in enumerate(asked.prompt) for t in (
+                [piece] if isinstance(piece, int) else model.tokenize(piece, add_special=i == 0))]
+        bias = self.bias(model)
+        if bias is not None:
+            update["logit_bias"] = bias
+        return asked.model_copy(update=update) if update else asked
+
+    def bias(self, model) -> dict[int, float] | None:
+        """llama-server's logit_bias read against the model: {token: bias} or [[token,
+        bias], ...], a token given as its id or as text (each of the text's tokens gets the
+        bias), `false` banning it; as OpenAI's {id: bias in [-100, 100]} (the route checks
+        the ids against the vocabulary). A ban (`false`, and with ignore_eos every
+        end-of-generation token) is -inf, as llama-server's. None: no bias."""
         if not self.logit_bias and not self.ignore_eos:
-            return asked
+            return None
         pairs = self.logit_bias or []
         pairs = pairs.items() if isinstance(pairs, dict) else pairs
         bias: dict[int, float] = {}
@@ -147,7 +164,14 @@ class NativeCompletion(BaseModel):
         if len(bias) > MAX_LOGIT_BIAS:
             raise Refused(400, f"logit_bias: {len(bias)} tokens; at most {MAX_LOGIT_BIAS}", "invalid_value",
                           "logit_bias")
-        return asked.model_copy(update={"logit_bias": bias})
+        return bias
+
+
+def pieces(prompt) -> bool:
+    """Is it one prompt given in pieces, token ids and texts side by side (llama-server's
+    mixed prompt: [1, 2, "text", 3]), rather than a text, a token list or several prompts?"""
+    return isinstance(prompt, list) and any(isinstance(x, int) for x in prompt) and \
+        any(isinstance(x, str) for x in prompt)
 
 
 @functools.lru_cache(maxsize=16)
@@ -159,8 +183,8 @@ def end_tokens(model) -> tuple[int, ...]:
 class NativeAsked(CompletionRequest):
     """A native completion as the engine runs it: no limit means as far as the context
     and --default-max-tokens allow (OpenAI's completions default to 16); several prompts
-    may mix text and tokens."""
-    prompt: Union[str, list[int], list[Union[str, list[int]]]]
+    may mix text and tokens, and one may come in pieces (NativeCompletion.with_model joins them)."""
+    prompt: Union[str, list[int], list[Union[str, list[int]]], list[Union[int, str]]]
     return_tokens: bool = False
     n_probs: int = 0
 

@@ -582,7 +582,8 @@ async def answer(request: Request, call: Call, shape):
     if failed is not None:
         raise failed
     whole = shape.whole(call)
-    if getattr(call.body, "verbose", False) and isinstance(whole, dict):
+    asked = getattr(call.body, "verbose", None)          # the request's say, else --verbose-answers
+    if (asked if asked is not None else served(request).settings.verbose_answers) and isinstance(whole, dict):
         whole["__verbose"] = telemetry.verbose(call)
     return JSONResponse(whole, headers=headers)
 

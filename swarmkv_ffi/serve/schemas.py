@@ -214,7 +214,7 @@ class Sampling(BaseModel):
     store: bool | None = None
     grammar: str | None = None                               # llama-server's extra: GBNF or Lark
     keep_alive: Union[float, str, None] = None               # Ollama's: the model's idle time after this
-    verbose: bool = False                                    # llama-server's: a whole answer's __verbose
+    verbose: bool | None = None                              # llama-server's: a whole answer's __verbose
 
     @field_validator("keep_alive")
     @classmethod

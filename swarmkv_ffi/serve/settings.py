@@ -50,6 +50,7 @@ class Settings:
     reranking: bool = False                  # POST /rerank answers (rerank.py), as llama-server's --reranking
     pooling: str | None = None               # embeddings' pooling (None: the model's own, else mean)
     temperature: float | None = None         # --temp: a request's temperature when it gives none
+    verbose_answers: bool = False            # every whole answer carries __verbose (llama-server's --verbose)
     seed: int | None = None                  # --seed: a request's seed when it gives none
     metrics_key: str | None = None           # a scrape with it sees the whole server's /metrics
     stored_responses: int = 256              # the Responses API's stored responses per key (stored.py)
@@ -212,6 +213,9 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
     flag("seed", type=int, default=d.seed,
          help="the seed of every request that gives none, as llama-server's --seed: the same request then "
               "draws the same answer (default: none, a fresh draw each time)")
+    flag("verbose-answers", action="store_true",
+         help="every whole answer carries llama-server's __verbose: the prompt as the model read it, what it "
+              "wrote, counts and timings (a request's own `verbose` says otherwise; serve's -v turns it on too)")
     flag("pooling", choices=("mean", "cls", "last", "none"), default=d.pooling,
          help="how /v1/embeddings pools an input's rows into its vector, as llama-server's --pooling "
               "(default: the model's own, mean for a generative model; none is refused there: OpenAI's "

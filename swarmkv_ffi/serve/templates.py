@@ -186,7 +186,7 @@ def render(model, messages: list[dict], tools: list[dict] | None = None, mark=No
     if clash := sorted(set(variables) & set(given)):
         raise TemplateError(f"chat_template_kwargs may not set {', '.join(clash)}: the server renders those")
     try:
-        return template.render(**{**today(), **variables}, **given) + (continued or "")
+        return template.render(**{**today(), **functions(given["tools"]), **variables}, **given) + (continued or "")
     except TemplateError:
         raise
     except Exception as exc:       # whatever the template's own code trips on
@@ -228,6 +228,13 @@ def today() -> dict:
     firefunction's `datetime`); a request's chat_template_kwargs may set them."""
     now = datetime.datetime.now()
     return {"date_string": now.strftime("%d %b %Y"), "datetime": now.strftime("%b %d %Y")}
+
+
+def functions(tools: list[dict] | None) -> dict:
+    """firefunction's `functions`, which its template writes into the system prompt: the
+    tools as JSON (as llama.cpp and the model's own card give it), empty without tools; a
+    request's chat_template_kwargs may set it."""
+    return {"functions": json.dumps(tools, indent=2) if tools else ""}
 
 
 def knows_tools(source: str | None) -> bool:

@@ -294,6 +294,14 @@ def test_prompts_may_mix_text_and_tokens_or_come_as_prompt_objects(server, smol)
     assert alone["prompt"] == mixed[0]["prompt"] and alone["content"]
     media = post(server, "/completion", {"prompt": {"prompt_string": text, "multimodal_data": "AAAA"}})
     assert media.status_code == 400
+    # one prompt in pieces: ids and texts side by side, the first text with BOS as at a prompt's start
+    split = post(server, "/completion", {"prompt": [tokens[0], " believe", *tokens[3:]], **greedy}).json()
+    believe = [int(t) for t in smol.tokenize(" believe", add_special=False)]
+    joined = post(server, "/completion", {"prompt": [*tokens[:1], *believe, *tokens[3:]], **greedy}).json()
+    assert split["prompt"] == joined["prompt"] and split["tokens_evaluated"] + split["tokens_cached"] == \
+        joined["tokens_evaluated"] + joined["tokens_cached"]
+    huge = post(server, "/completion", {"prompt": [1, "word " * 400_000]})
+    assert huge.status_code == 400 and "cannot fit" in huge.json()["error"]["message"]
 
 
 def test_temp_and_seed_are_every_requests_defaults(tmp_path):
@@ -351,3 +359,12 @@ def test_several_addresses_in_one_host(tmp_path):
     with Serve("--ctx-size", "1024", "--host", "127.0.0.1,::1", log=tmp_path / "serve.log") as s:
         for url in (s.url, f"http://[::1]:{s.port}"):
             assert requests.get(url + "/health", timeout=30).json() == {"status": "ok"}
+
+
+def test_verbose_answers_for_every_request_unless_one_says_otherwise(tmp_path):
+    """--verbose-answers (and serve's -v, as llama-server's --verbose): every whole answer
+    carries __verbose; a request's own verbose false leaves it out."""
+    said = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    with Serve("--ctx-size", "1024", "--verbose-answers", log=tmp_path / "serve.log") as s:
+        assert "<|im_start|>user\nHi" in post(s, "/v1/chat/completions", said, key=None).json()["__verbose"]["prompt"]
+        assert "__verbose" not in post(s, "/v1/chat/completions", {**said, "verbose": False}, key=None).json()

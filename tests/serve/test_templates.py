@@ -148,3 +148,15 @@ def test_a_continued_message_keeps_control_tokens_as_text(smol):
     got = templates.tokens(smol, said, template=PREFILL_SOURCE)
     end = smol.tokenize("<|im_end|>", add_special=False, parse_special=True)
     assert len(end) == 1 and end[0] not in got
+
+
+def test_firefunctions_functions_are_the_tools_as_json(smol):
+    """firefunction's template writes `functions` into its system prompt: the tools as
+    JSON, empty without tools (its template adds it to a string: undefined, it failed)."""
+    from swarmkv_ffi.serve.templates import render
+    source = ("{{ 'Available functions:\\n' + functions }}|{% for m in messages %}{{ m.content }}{% endfor %}"
+              "{% if m is defined and m.tool_calls %}{% endif %}")
+    said = [{"role": "user", "content": "hi"}]
+    assert render(smol, said, template=source) == "Available functions:\n|hi"
+    shown = render(smol, said, TOOLS, template=source)
+    assert json.loads(shown.split("\n", 1)[1].rsplit("|", 1)[0]) == TOOLS
