@@ -119,16 +119,26 @@ class ChatShape:
     def piece(self, call: Call, choice: Choice, text: str) -> list[ChatChunk]:
         """The chunks of new text: its parts as the reader splits them (words, thought,
         a call opened, its arguments), the logprobs so far on the first."""
+        progress = self._progress(call, choice)
         fresh = choice.logprobs[choice.logprobs_sent:]
         deltas = [delta(p) for p in self._reader(call, choice).feed(text)] if text else []
         if not deltas and (not fresh or call.structure.enveloped):
-            return []
+            return progress
         choice.logprobs_sent += len(fresh)
         deltas = deltas or [Delta(content="")]
         timings = self._timings(call, choice)
-        return [self._chunk(call, [ChunkChoice(index=choice.index, delta=d,
-                                               logprobs=self._logprobs(call, fresh) if i == 0 else None)], **timings)
-                for i, d in enumerate(deltas)]
+        return progress + [self._chunk(call, [ChunkChoice(index=choice.index, delta=d,
+                                                          logprobs=self._logprobs(call, fresh) if i == 0 else None)],
+                                       **timings) for i, d in enumerate(deltas)]
+
+    def _progress(self, call: Call, choice: Choice) -> list[ChatChunk]:
+        """llama-server's return_progress: once the choice's prompt is read, a chunk with its
+        `prompt_progress` (and opening delta, as there)."""
+        if not getattr(call.body, "return_progress", False) or choice.progressed:
+            return []
+        choice.progressed = True
+        return [self._chunk(call, [ChunkChoice(index=choice.index, delta=Delta(role="assistant", content=None))],
+                            prompt_progress=telemetry.progress(call, choice), **self._timings(call, choice))]
 
     def ending(self, call: Call, choice: Choice) -> list[ChatChunk]:
         """What the reader held back, then the finish: "tool_calls" when it opened any."""

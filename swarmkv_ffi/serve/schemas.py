@@ -279,6 +279,7 @@ class ChatRequest(Sampling):
     parallel_tool_calls: bool | None = None     # None: as the template can (structured.plan)
     json_schema: dict[str, Any] | None = None   # llama-server's: response_format json_schema in one field
     timings_per_token: bool = False             # llama-server's: a `timings` object on every chunk
+    return_progress: bool = False               # llama-server's: a chunk with `prompt_progress` once it is read
     id_slot: int | None = None                  # llama-server's slot: there are none here, any runs anywhere
     chat_template_kwargs: dict[str, Any] | None = None   # llama-server's and vLLM's: the template's own variables
     add_generation_prompt: bool = True          # llama-server's: false leaves the assistant's opener out
@@ -427,7 +428,7 @@ class ChunkChoice(Shape):
 
 
 class ChatChunk(Shape):
-    omit_unset = frozenset({"usage", "timings"})
+    omit_unset = frozenset({"usage", "timings", "prompt_progress"})
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -436,6 +437,7 @@ class ChatChunk(Shape):
     choices: list[ChunkChoice]
     usage: Optional[Usage] = None
     timings: Optional[dict] = None     # llama-server's telemetry (timings_per_token)
+    prompt_progress: Optional[dict] = None     # ... and return_progress
 
 
 class CompletionLogprobs(Shape):

@@ -172,6 +172,20 @@ def test_a_chat_stream_opens_with_null_content_and_carries_timings_when_asked(se
     assert not any("timings" in c for c in plain)
 
 
+def test_return_progress_sends_the_prompts_progress_once_before_the_answer(server):
+    """llama-server's return_progress on a chat stream: the engine reads a prompt in one go,
+    so one chunk, once it is read, with all of it processed and what came from cache."""
+    chunks = events(post(server, "/v1/chat/completions", chat_body(
+        stream=True, return_progress=True, stream_options={"include_usage": True}), stream=True))
+    progress = [i for i, c in enumerate(chunks) if "prompt_progress" in c]
+    first_text = next(i for i, c in enumerate(chunks) if c["choices"] and c["choices"][0]["delta"].get("content"))
+    assert len(progress) == 1 and progress[0] < first_text
+    shown = chunks[progress[0]]["prompt_progress"]
+    assert shown["total"] == shown["processed"] == chunks[-1]["usage"]["prompt_tokens"] >= shown["cache"] >= 0
+    assert not any("prompt_progress" in c for c in events(post(server, "/v1/chat/completions",
+                                                               chat_body(stream=True), stream=True)))
+
+
 @pytest.mark.parametrize("form", [{"json_schema": {"const": "42"}},
                                   {"response_format": {"type": "json_object", "schema": {"const": "42"}}},
                                   {"response_format": {"type": "json_schema", "json_schema": {"schema": {"const": "42"}}}}])
