@@ -186,7 +186,8 @@ def render(model, messages: list[dict], tools: list[dict] | None = None, mark=No
     if clash := sorted(set(variables) & set(given)):
         raise TemplateError(f"chat_template_kwargs may not set {', '.join(clash)}: the server renders those")
     try:
-        return template.render(**{**today(), **functions(given["tools"]), **variables}, **given) + (continued or "")
+        named = functions(given["tools"]) if "functions" in source else {}     # only firefunction's reads it
+        return template.render(**{**today(), **named, **variables}, **given) + (continued or "")
     except TemplateError:
         raise
     except Exception as exc:       # whatever the template's own code trips on
