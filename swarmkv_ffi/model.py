@@ -26,6 +26,16 @@ INT32_MIN = -(2**31)
 BUILTIN_TEMPLATES = (("gemma", "gemma"), ("llama", "llama3"), ("qwen", "chatml"))
 
 
+def builtin_templates() -> list[str]:
+    """The names of libllama's built-in chat templates (llama-server's --chat-template
+    list: chatml, llama3, command-r, ...), which apply_chat_template(template=NAME) renders."""
+    lib = library.backend()
+    n = lib.llama_chat_builtin_templates(ffi.NULL, 0)
+    names = ffi.new("const char *[]", n)
+    lib.llama_chat_builtin_templates(names, n)
+    return [ffi.string(names[i]).decode() for i in range(n)]
+
+
 def check_gguf_file(path: Path) -> None:
     """Raise a clear error unless `path` is an existing file that starts like a GGUF."""
     if not path.exists():

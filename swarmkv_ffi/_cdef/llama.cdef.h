@@ -223,6 +223,7 @@ int32_t llama_detokenize(const struct llama_vocab * vocab, const llama_token * t
                          char * text, int32_t text_len_max, bool remove_special, bool unparse_special);
 int32_t llama_chat_apply_template(const char * tmpl, const struct llama_chat_message * chat, size_t n_msg,
                                   bool add_ass, char * buf, int32_t length);
+int32_t llama_chat_builtin_templates(const char ** output, size_t len);
 
 void      llama_memory_clear(llama_memory_t mem, bool data);
 bool      llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);

@@ -31,14 +31,14 @@ from .settings import Settings
 class HostedModel:
     """`name` (the id clients send) served from `pool`; `cells`: its size, `sized`: why
     (None when --ctx-size gave it); `host_tier`: its evicted prefixes, or None;
-    `chat_template`: --chat-template-file's template, None for the model's own."""
+    `chat_template`: --chat-template(-file)'s template (templates.chosen), None for the model's own."""
     name: str
     pool: RequestPool
     cells: int
     sized: sizing.Size | None
     host_tier: HostTier | None
     default_max_tokens: int
-    chat_template: str | None = None
+    chat_template: str | templates.Builtin | None = None
     reads_thoughts: bool = True          # --reasoning-format auto or deepseek
     thinking: bool = True                # --reasoning on or auto: the template's enable_thinking
     pooling: str | None = None           # --pooling: how embeddings pool (None: the model's, else mean)
@@ -58,7 +58,7 @@ class HostedModel:
         pool = RequestPool(conductor, spec.model, cells=cells, seqs=spec.parallel, exact=spec.exact,
                            share=settings.share_prefixes, store=tier or disk)
         templates.longest_token(pool.model)      # its vocabulary read now, not by the first request
-        template = templates.read_file(settings.chat_template_file) if settings.chat_template_file else None
+        template = templates.chosen(settings.chat_template, settings.chat_template_file)
         return cls(spec.name, pool, cells, sized, tier, settings.default_max_tokens, template,
                    settings.reasoning_format != "none", settings.reasoning != "off", settings.pooling)
 

@@ -326,7 +326,7 @@ def props(name: str, hosted, build: str) -> dict:
             "total_slots": hosted.pool.seqs, "model_alias": name, "model_path": hosted.pool.path.name,
             "modalities": {"vision": False, "video": False, "audio": False},
             "endpoint_slots": False, "endpoint_props": False, "endpoint_metrics": True,
-            "chat_template": templates.source_of(model, hosted.chat_template) or "",
+            "chat_template": templates.shown(model, hosted.chat_template),
             "bos_token": templates.special_text(model, model.bos),
             "eos_token": templates.special_text(model, model.eos),
             "build_info": build, "is_sleeping": False}

@@ -57,6 +57,7 @@ class Settings:
     stored_responses_mib: int = 64           # ... and their text, per key
     stored_responses_ttl: float = 3600.0     # seconds unused before one is forgotten
     keep_billing_header: bool = False        # keep a system prompt's billing header (volatile.py)
+    chat_template: str | None = None         # a built-in template's name or a Jinja template's text
     chat_template_file: Path | None = None   # a Jinja chat template instead of the model's own
     reasoning: str = "auto"                  # thinking in the chat: off tells the template enable_thinking=false
     reasoning_format: str = "auto"           # a thinking model's thought: reasoning_content, or "none" (dialects.py)
@@ -122,11 +123,13 @@ class Settings:
         if not 0 <= self.model_churn_window <= 86400:
             raise ValueError("--model-churn-window must be in [0, 86400] seconds (0: no limit)")
         lineup.check(self.specs())
-        if self.chat_template_file is not None:
+        if self.chat_template is not None or self.chat_template_file is not None:
+            if self.chat_template is not None and self.chat_template_file is not None:
+                raise ValueError("give --chat-template or --chat-template-file, not both")
             if len(self.specs()) > 1:
-                raise ValueError("--chat-template-file replaces a single model's template; with several "
+                raise ValueError("--chat-template(-file) replaces a single model's template; with several "
                                  "models, give each a GGUF with the template it needs")
-            templates.read_file(self.chat_template_file)
+            templates.chosen(self.chat_template, self.chat_template_file)
 
     def per_key(self, n_keys: int) -> int:
         """Choices one key may have running or queued: as set, else all of --max-requests
@@ -284,6 +287,10 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
          help="keep a billing header line (x-anthropic-billing-header: ...; cch=...;) at the top of a "
               "system prompt; by default it is dropped before templating, since its value changes on "
               "every request and would defeat the prefix cache (docs/serve.md)")
+    flag("chat-template", default=d.chat_template, metavar="NAME|JINJA",
+         help="render the model's chats with one of libllama's built-in templates by name (chatml, "
+              "llama3, command-r, ...: text messages only) or with this Jinja template's text, instead "
+              "of the one in its GGUF (as llama-server's flag; one model only)")
     flag("chat-template-file", type=Path, default=d.chat_template_file, metavar="FILE",
          help="a Jinja chat template to render the model's chats with instead of the one in its GGUF "
               "(as llama-server's flag; one model only)")

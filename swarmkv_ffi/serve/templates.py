@@ -21,6 +21,7 @@ so no message can open a turn of another role. Tokens are otherwise llama-server
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import re
@@ -31,19 +32,44 @@ from functools import lru_cache
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ..model import builtin_templates
+
 
 class TemplateError(ValueError):
     """The conversation cannot be rendered (the template raised, or rejects its shape)."""
 
 
-def tokens(model, messages: list[dict], tools: list[dict] | None = None, template: str | None = None,
-           variables: dict | None = None) -> list[int]:
+@dataclasses.dataclass(frozen=True)
+class Builtin:
+    """One of libllama's built-in templates, by name (--chat-template llama3): rendered
+    by llama_chat_apply_template, text messages only, as llama-server renders it."""
+    name: str
+
+
+def chosen(value: str | None, path=None) -> "str | Builtin | None":
+    """The template that replaces the model's own: --chat-template's value (a built-in's
+    name, else a Jinja template's text) or --chat-template-file's text; None for the
+    model's own. A ValueError says why a value cannot be used."""
+    if path is not None:
+        return read_file(path)
+    if value is None:
+        return None
+    if value in builtin_templates():
+        return Builtin(value)
+    if _compiled(value) is None or "{" not in value:
+        raise ValueError(f"--chat-template {value[:80]!r}: neither a built-in template "
+                         f"({', '.join(builtin_templates())}) nor a Jinja template jinja2 can compile")
+    return value
+
+
+def tokens(model, messages: list[dict], tools: list[dict] | None = None,
+           template: "str | Builtin | None" = None, variables: dict | None = None) -> list[int]:
     """The prompt for `messages` as tokens, a control token's text in a message kept as
     text. When no message holds one (nearly always) this is the rendered text tokenized
     with special tokens parsed, as llama-server does; else the text is rendered with each
     message's text between markers only this call knows, and split at the control tokens
     outside them, each piece tokenized as text (llama.cpp splits at the same places).
-    `template`: a template's source to use instead of the model's own; `variables`: the
+    `template`: a template instead of the model's own (chosen()); `variables`: the
     template's own variables (render())."""
     controls = control_tokens(model)
     if controls is not None:
@@ -157,10 +183,10 @@ def longest_token(model) -> int:
 
 
 def render(model, messages: list[dict], tools: list[dict] | None = None, mark=None,
-           template: str | None = None, variables: dict | None = None) -> str:
+           template: "str | Builtin | None" = None, variables: dict | None = None) -> str:
     """The prompt for `messages` (OpenAI's dicts), ending with the assistant's opener;
-    mark(text), if given, wraps each message's text (tokens()); `template`: a template's
-    source instead of the model's own (--chat-template-file); `variables`: more for the
+    mark(text), if given, wraps each message's text (tokens()); `template`: a template
+    instead of the model's own (chosen()); `variables`: more for the
     template (enable_thinking, a request's chat_template_kwargs; add_generation_prompt
     false leaves the assistant's opener out), never one of those render() gives itself
     (a TemplateError names it)."""
@@ -171,6 +197,7 @@ def render(model, messages: list[dict], tools: list[dict] | None = None, mark=No
         opener = True
         continued = mark(continued) if mark is not None else continued
     source = source_of(model, template)
+    named = template.name if isinstance(template, Builtin) else None
     template = _compiled(source) if source else None
     if template is None or not knows_tools(source):
         messages = plain_messages(messages)
@@ -179,8 +206,8 @@ def render(model, messages: list[dict], tools: list[dict] | None = None, mark=No
     if mark is not None:
         messages = [_marked(m, mark) for m in messages]
     if template is None:
-        return model.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages]) + (
-            continued or "")
+        return model.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                         add_assistant=opener, template=named) + (continued or "")
     given = dict(messages=messages, tools=tools if knows_tools(source) else None, add_generation_prompt=opener,
                  bos_token=special_text(model, model.bos), eos_token=special_text(model, model.eos))
     if clash := sorted(set(variables) & set(given)):
@@ -243,12 +270,22 @@ def knows_tools(source: str | None) -> bool:
     return bool(source) and "tool_calls" in source
 
 
-def source_of(model, template: str | None = None) -> str | None:
-    """The template a chat renders with: `template` (--chat-template-file's), else the GGUF's."""
+def source_of(model, template: "str | Builtin | None" = None) -> str | None:
+    """The Jinja template a chat renders with: `template` (--chat-template's), else the
+    GGUF's; None for a built-in one."""
+    if isinstance(template, Builtin):
+        return None
     return template or model.meta("tokenizer.chat_template")
 
 
-def model_knows_tools(model, template: str | None = None) -> bool:
+def shown(model, template: "str | Builtin | None" = None) -> str:
+    """The template as /props shows it: its text, or a built-in's name."""
+    if isinstance(template, Builtin):
+        return template.name
+    return source_of(model, template) or model.chat_template or ""
+
+
+def model_knows_tools(model, template: "str | Builtin | None" = None) -> bool:
     return knows_tools(source_of(model, template))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import anthropic
 import jsonschema
@@ -401,6 +402,31 @@ def test_anthropic_thinking_blocks_reach_the_template(templated):
     assert count([thought, said]) > count([said])
     redacted = {"type": "redacted_thinking", "data": "opaque"}
     assert count([redacted, said]) == count([said])
+
+
+def test_a_built_in_template_by_name_renders_the_chat(tmp_path):
+    """--chat-template NAME is libllama's built-in template (llama-server's test_apply_chat_template)."""
+    with Serve("--chat-template", "command-r", "--ctx-size", "256", log=tmp_path / "serve.log") as s:
+        got = post(s, "/apply-template", {"messages": [{"role": "system", "content": "You are a test."},
+                                                       {"role": "user", "content": "Hi there"}]})
+        assert got.status_code == 200, got.text
+        assert got.json()["prompt"] == (
+            "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>You are a test.<|END_OF_TURN_TOKEN|>"
+            "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hi there<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")
+        assert requests.get(s.url + "/props", timeout=30).json()["chat_template"] == "command-r"
+        answer = post(s, "/v1/chat/completions", {"model": MODEL, "max_tokens": 3,
+                                                  "messages": [{"role": "user", "content": "Hi"}]})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1, answer.text
+
+
+@pytest.mark.parametrize("value,said", [("command-rr", "neither a built-in template"),
+                                        ("{% for %}", "neither a built-in template")])
+def test_a_chat_template_that_is_neither_a_name_nor_jinja_is_refused(value, said):
+    from swarmkv_ffi.serve.settings import Settings
+    with pytest.raises(ValueError, match=said):
+        Settings(chat_template=value).check()
+    with pytest.raises(ValueError, match="not both"):
+        Settings(chat_template="llama3", chat_template_file=Path("t.jinja")).check()
 
 
 @pytest.mark.parametrize("text,said", [(None, "No such file"), ("{% for %}", "not a Jinja template")])
