@@ -64,6 +64,7 @@ class ModelSpec:
     keep_alive: float = FOREVER  # idle seconds before it is unloaded
     pinned: bool = False         # never unloaded
     at_start: bool = False       # loaded at start, else on its first request
+    tags: tuple[str, ...] = ()   # --tags: words /v1/models shows on its card (llama-server's)
 
     def file(self) -> Path:
         """The GGUF it loads (ModelNotFoundError when there is none)."""

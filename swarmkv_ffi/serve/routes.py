@@ -106,15 +106,16 @@ def viewer(request: Request) -> int | None:
 
 
 async def models(request: Request):
-    """Every model id served; the operator also sees each one's state (loaded, loading,
-    unloaded, failed: why). A key does not: a model going from unloaded to loading
-    within milliseconds of its own request would tell it what another key just asked
-    (issue 63)."""
+    """One card per model served, as llama-server's: its ids under `aliases` (any of them
+    names it in a request), the first in sorted order as its `id`. The operator also sees
+    each one's state (loaded, loading, unloaded, failed: why). A key does not: a model
+    going from unloaded to loading within milliseconds of its own request would tell it
+    what another key just asked (issue 63)."""
     operator = viewer(request) is None
     s = served(request)
     cards = []
-    for name, entry in s.engine.models.named.items():
-        card = ModelCard(id=name, created=s.created, aliases=list(entry.names))
+    for entry in s.engine.models.entries:
+        card = ModelCard(id=min(entry.names), created=s.created, aliases=list(entry.names), tags=list(entry.spec.tags))
         if operator:
             card.status = ModelStatus(value=entry.state, pinned=entry.spec.pinned)
             if entry.state == "failed":

@@ -25,6 +25,7 @@ from .keys import OPEN, Keys
 class Settings:
     models: tuple[str, ...] = ()             # --model, once per model loaded at start (none: the default)
     name: str | None = None                  # the model id clients send (one model; default: as given)
+    tags: str | None = None                  # words on the --model's card in /v1/models
     models_dir: Path | None = None           # every .gguf in it, loaded on demand (lineup.py)
     models_preset: Path | None = None        # a TOML file of models and their settings (lineup.py)
     keep_alive: str | None = None            # on-demand models' idle time before unloading (None: for room only)
@@ -67,6 +68,15 @@ class Settings:
         """Every id clients may send, for a log line."""
         return ", ".join(spec.name for spec in self.specs())
 
+    @property
+    def aliases(self) -> list[str]:
+        """--name's ids (`a,b,c`: three ids of the one model, as llama-server's --alias)."""
+        return [n.strip() for n in (self.name or "").split(",") if n.strip()]
+
+    @property
+    def tag_list(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in (self.tags or "").split(",") if t.strip())
+
     def specs(self) -> list[lineup.ModelSpec]:
         """Every model id clients may send and how its pool is made (lineup.py): each
         --model, loaded at start and pinned (the default model when nothing names any),
@@ -75,8 +85,8 @@ class Settings:
         keep = lineup.FOREVER if self.keep_alive is None else lineup.keep_alive_seconds(self.keep_alive)
         base = lineup.ModelSpec("", "", self.ctx_size, self.parallel, self.exact, keep)
         models = self.models or (() if self.models_dir or self.models_preset else (catalog.DEFAULT_MODEL,))
-        specs = [dataclasses.replace(base, name=self.name if self.name and i == 0 else m, model=m,
-                                     pinned=True, at_start=True) for i, m in enumerate(models)]
+        specs = [dataclasses.replace(base, name=name, model=m, pinned=True, at_start=True, tags=self.tag_list)
+                 for i, m in enumerate(models) for name in (self.aliases if self.name and i == 0 else [m])]
         if self.models_dir is not None:
             specs += lineup.from_dir(self.models_dir, base)
         if self.models_preset is not None:
@@ -87,6 +97,8 @@ class Settings:
         """A clear ValueError for a setting that cannot work, before anything loads."""
         if len(self.models) > 1 and self.name is not None:
             raise ValueError("--name renames a single --model; with several, clients send each as given")
+        if self.name is not None and not self.aliases:
+            raise ValueError("--name: give at least one id (several as a,b,c)")
         if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:
             raise ValueError(f"--temp must be in 0..2, got {self.temperature:g}")
         if len(set(self.models)) != len(self.models):
@@ -126,8 +138,9 @@ class Settings:
         if self.chat_template is not None or self.chat_template_file is not None:
             if self.chat_template is not None and self.chat_template_file is not None:
                 raise ValueError("give --chat-template or --chat-template-file, not both")
-            if len(self.specs()) > 1:
-                raise ValueError("--chat-template(-file) replaces a single model's template; with several "
+            if len(lineup.pools(self.specs())) > 1:
+                given = "--chat-template" if self.chat_template is not None else "--chat-template-file"
+                raise ValueError(f"{given} replaces a single model's template; with several "
                                  "models, give each a GGUF with the template it needs")
             templates.chosen(self.chat_template, self.chat_template_file)
 
@@ -194,7 +207,10 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: 
          help="how long a model loaded on demand stays loaded after its last request, as Ollama's "
               "keep_alive: seconds or 30s/5m/1h, negative for until its memory is needed; a request's "
               "own keep_alive field overrides it (default: until its memory is needed)")
-    flag("name", default=d.name, help="the model id clients send, for a single --model (default: the model as given)")
+    flag("name", default=d.name, help="the model id clients send, for a single --model; several ids of the one "
+         "model as a,b,c (one card in /v1/models, as llama-server's --alias) (default: the model as given)")
+    flag("tags", default=d.tags, metavar="A,B", help="words /v1/models shows on the --model's card, as "
+         "llama-server's --tags (default: none)")
     flag("ctx-size", type=int, default=d.ctx_size,
          help="KV cells of the pool: every running request's prompt + max_tokens and the cached "
               "prefixes share them, each cell booked once (default: 4 x the model's context, or what "

@@ -175,8 +175,9 @@ load = "start"
 model = "{models_dir / "gemma.gguf"}"
 ''')
     with serve(tmp_path, "--models-preset", str(preset), "--budget-bytes", ONE_MODEL_BUDGET) as server:
-        assert states(server) == {"assistant": "loaded", "helper": "loaded", "gemma": "unloaded"}
+        assert states(server) == {"assistant": "loaded", "gemma": "unloaded"}     # one card per model
         client = server.client()
+        assert [m.aliases for m in client.models.list().data] == [["assistant", "helper"], ["gemma"]]
         doc = " ".join(APACHE.split()[:300])
         first = ask(client, "assistant", doc)
         again = ask(client, "helper", doc)

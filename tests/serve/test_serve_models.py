@@ -61,6 +61,17 @@ def test_settings_refuse_a_model_twice_and_a_name_for_several():
     with pytest.raises(ValueError, match="--name"):
         Settings(models=(SMOL, GEMMA), name="assistant").check()
     Settings(models=(SMOL,), name="assistant").check()
+    with pytest.raises(ValueError, match="at least one id"):
+        Settings(models=(SMOL,), name=" , ").check()
+
+
+def test_name_gives_one_model_several_ids_and_tags_its_card():
+    """llama-server's --alias a,b,c and --tags: one pool under three ids."""
+    specs = Settings(models=(SMOL,), name="tinyllama-2,fim,code", tags="chat,small").specs()
+    assert [s.name for s in specs] == ["tinyllama-2", "fim", "code"]
+    assert len({s.same_pool() for s in specs}) == 1 and all(s.tags == ("chat", "small") for s in specs)
+    with pytest.raises(ValueError, match="given twice"):
+        Settings(models=(SMOL,), name="a,a").check()
 
 
 def test_settings_take_a_pool_as_small_as_llama_servers_tests_use():
