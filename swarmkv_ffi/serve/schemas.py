@@ -126,6 +126,8 @@ class Message(BaseModel):
 
     def for_template(self) -> dict:
         out = {"role": self.role, "content": self.text()}
+        if isinstance(self.content, list):      # a prefill's parts join otherwise (templates.continuation)
+            out["content_parts"] = [p.text for p in self.content]
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:

@@ -224,8 +224,9 @@ def render(model, messages: list[dict], tools: list[dict] | None = None, mark=No
 def continuation(messages: list[dict], opener: bool, asked: bool | None) -> tuple[list[dict], str | None]:
     """The messages to render and, when the request continues the assistant's last message
     (a prefill), that message's text, which the prompt ends with after the assistant's
-    opener, as llama-server does: by default whenever the last message is the assistant's,
-    or as `continue_final_message` (vLLM's and transformers' name) says. Refused as there:
+    opener (text parts a blank line apart), as llama-server does: by default whenever the
+    last message is the assistant's, or as `continue_final_message` (vLLM's and
+    transformers' name) says. Refused as there:
     two assistant messages at the end, continuing with the opener also asked for, a message
     with tool calls, or one that is not the assistant's."""
     last = messages[-1] if messages else {}
@@ -242,6 +243,8 @@ def continuation(messages: list[dict], opener: bool, asked: bool | None) -> tupl
         raise TemplateError("continue_final_message continues the last message, which must be the assistant's")
     if last.get("tool_calls"):
         raise TemplateError("Cannot continue an assistant message that contains tool calls")
+    if "content_parts" in last:       # llama.cpp's render_content(): parts of a prefill, a blank line apart
+        return messages[:-1], "\n\n".join(last["content_parts"])
     return messages[:-1], last.get("content") or ""
 
 

@@ -273,6 +273,10 @@ def test_the_assistants_last_words_are_continued_and_two_at_the_end_refused(serv
     said = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "The fruit is"}]
     prompt = post(server, "/apply-template", {"messages": said}).json()["prompt"]
     assert prompt.endswith("<|im_start|>assistant\nThe fruit is")
+    parts = [said[0], {"role": "assistant", "content": [{"type": "text", "text": "The"},
+                                                        {"type": "text", "text": "fruit is"}]}]
+    prompt = post(server, "/apply-template", {"messages": parts}).json()["prompt"]
+    assert prompt.endswith("<|im_start|>assistant\nThe\n\nfruit is")       # parts a blank line apart, as there
     answer = post(server, "/v1/chat/completions", {"messages": said, "max_tokens": 4, "temperature": 0})
     assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
     twice = post(server, "/v1/chat/completions", {"messages": said + [{"role": "assistant", "content": "x"}]})
