@@ -14,6 +14,8 @@ from ._owned import Owned
 from .library import ffi
 
 DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: libllama picks a random seed
+#: llama_token_data as numpy reads it
+TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 
 class Sampler(Owned):
@@ -22,12 +24,13 @@ class Sampler(Owned):
     added to those tokens' logits; the penalties (llama.cpp's, over the last
     penalty_last_n tokens the chain has chosen) lower tokens already generated: presence
     by a fixed amount, frequency by each time it came, repeat by dividing. Both need
-    n_vocab, the model's vocabulary size."""
+    n_vocab, the model's vocabulary size. `post_sampling`: the run reports the chain's
+    probabilities (sample_candidates), not the model's."""
 
     def __init__(self, *, temp: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  min_p: float = 0.0, seed: int | None = None, logit_bias: dict[int, float] | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
-                 penalty_last_n: int = 64, n_vocab: int | None = None):
+                 penalty_last_n: int = 64, n_vocab: int | None = None, post_sampling: bool = False):
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if not 0.0 <= min_p < 1.0:
@@ -44,6 +47,7 @@ class Sampler(Owned):
         self.settings = dict(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                              logit_bias=dict(logit_bias or {}), presence_penalty=presence_penalty,
                              frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty)
+        self.post_sampling = post_sampling
         lib = self._lib = library.backend()
         chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
         if logit_bias:
@@ -75,6 +79,27 @@ class Sampler(Owned):
         records it (llama_sampler_sample accepts the token itself)."""
         self._check_open()
         return int(self._lib.llama_sampler_sample(self._handle, ctx.handle, idx))
+
+    def sample_candidates(self, ctx, idx: int, top: int) -> tuple[int, tuple[float, list[tuple[int, float]]]]:
+        """Pick as sample() does, and say what the chain left to draw from (llama-server's
+        post_sampling_probs): the token and (its log-probability after the chain, the
+        `top` likeliest candidates with theirs, none of probability 0). Greedy draws from
+        one candidate, its probability 1, as a temperature of 0 leaves llama.cpp's chain."""
+        self._check_open()
+        logits = ctx.logits(idx)
+        data = ffi.new("llama_token_data[]", logits.size)
+        view = np.frombuffer(ffi.buffer(data), dtype=TOKEN_DATA)
+        view["id"], view["logit"], view["p"] = np.arange(logits.size), logits, 0.0
+        cur = ffi.new("llama_token_data_array *", {"data": data, "size": logits.size, "selected": -1, "sorted": False})
+        self._lib.llama_sampler_apply(self._handle, cur)
+        left = np.frombuffer(ffi.buffer(cur.data, cur.size * TOKEN_DATA.itemsize), dtype=TOKEN_DATA).copy()
+        token = int(left["id"][cur.selected])
+        self._lib.llama_sampler_accept(self._handle, token)
+        if self.settings["temp"] <= 0:
+            return token, (0.0, [(token, 0.0)])
+        order = np.argsort(-left["p"], kind="stable")[:top]
+        best = [(int(left["id"][i]), float(np.log(left["p"][i]))) for i in order if left["p"][i] > 0]
+        return token, (float(np.log(left["p"][cur.selected])), best)
 
     def reset(self) -> None:
         self._check_open()

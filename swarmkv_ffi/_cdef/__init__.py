@@ -20,6 +20,8 @@ CHECKED_STRUCTS = (
     "struct llama_batch",
     "struct llama_sampler_chain_params",
     "struct llama_logit_bias",
+    "struct llama_token_data",
+    "struct llama_token_data_array",
     "struct llama_chat_message",
     "struct ggml_tensor",
 )

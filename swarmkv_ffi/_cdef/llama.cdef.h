@@ -157,6 +157,19 @@ typedef struct llama_logit_bias {
     float bias;
 } llama_logit_bias;
 
+typedef struct llama_token_data {
+    llama_token id;
+    float logit;
+    float p;
+} llama_token_data;
+
+typedef struct llama_token_data_array {
+    llama_token_data * data;
+    size_t size;
+    int64_t selected;
+    bool sorted;
+} llama_token_data_array;
+
 typedef struct llama_chat_message {
     const char * role;
     const char * content;
@@ -263,6 +276,7 @@ struct llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_
                                                      const llama_logit_bias * logit_bias);
 llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
 void   llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
+void   llama_sampler_apply(struct llama_sampler * smpl, llama_token_data_array * cur_p);
 void   llama_sampler_reset(struct llama_sampler * smpl);
 void   llama_sampler_free(struct llama_sampler * smpl);
 const char * llama_sampler_name(const struct llama_sampler * smpl);

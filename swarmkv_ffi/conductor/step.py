@@ -187,7 +187,11 @@ class Steps:
         try:
             if run.constraint is not None:
                 run.constraint.apply(ctx.logits(row))
-            token = run.sampler.sample(ctx, row)
+            top = run.asked.top_logprobs
+            if run.sampler.post_sampling and top is not None:
+                token, ranked = run.sampler.sample_candidates(ctx, row, top)
+            else:
+                token, ranked = run.sampler.sample(ctx, row), None
             model = run.agent.loaded.model
             if model.is_eog(token):
                 run.stopped_on_eog = True
@@ -203,7 +207,8 @@ class Steps:
         run.slice_tokens += 1
         more = True
         if run.asked.on_token is not None:
-            ranked = None if run.asked.top_logprobs is None else logprobs(ctx.logits(row), token, run.asked.top_logprobs)
+            if ranked is None and top is not None:
+                ranked = logprobs(ctx.logits(row), token, top)
             more = run.asked.on_token(token, ranked)
         if not more or run.completed or len(run.generated) >= run.asked.max_tokens:
             run.agent.pending = token       # decoded with the next prompt

@@ -46,6 +46,7 @@ IGNORED = {
     "timings_per_token": "timings come with the final object",
     "return_progress": "the prompt is read in one go: there is no progress to report",
     "samplers": "the sampler chain is fixed: penalties, top_k, top_p, min_p, temperature",
+    "backend_sampling": "tokens are drawn on the CPU from the logits, by the same chain either way",
     "verbose": "the answer is llama-server's __verbose object already",
 }
 
@@ -80,6 +81,7 @@ class NativeCompletion(BaseModel):
     return_tokens: bool = False
     response_fields: list[str] = Field(default_factory=list, max_length=64)
     n_probs: int = Field(0, ge=0, le=20)
+    post_sampling_probs: bool = False       # n_probs after the sampler chain, as probabilities
     keep_alive: Union[float, str, None] = None
     ignore_eos: bool = False                # every end-of-generation token banned (benchmarks ask for it)
 
@@ -111,7 +113,7 @@ class NativeCompletion(BaseModel):
             "repeat_penalty": self.repeat_penalty, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "grammar": self.grammar,
             "model": self.model, "keep_alive": self.keep_alive, "return_tokens": self.return_tokens,
-            "n_probs": self.n_probs})
+            "n_probs": self.n_probs, "post_sampling_probs": self.post_sampling_probs})
 
     def _prompts(self):
         """The prompt as the engine takes it: one text or token list, or several of them,
@@ -187,9 +189,13 @@ class NativeAsked(CompletionRequest):
     prompt: Union[str, list[int], list[Union[str, list[int]]], list[Union[int, str]]]
     return_tokens: bool = False
     n_probs: int = 0
+    post_sampling_probs: bool = False
 
     def limit(self) -> int | None:
         return self.max_tokens
+
+    def settings(self, choice: int, max_tokens: int) -> dict:
+        return {**super().settings(choice, max_tokens), **({"post_sampling": True} if self.post_sampling_probs else {})}
 
     def ranked(self) -> int | None:
         return self.n_probs or None
@@ -225,7 +231,7 @@ class NativeShape:
     def piece(self, call: Call, choice: Choice, text: str):
         """One event per piece of text; with n_probs, one per token (its text may be held
         back while it could begin a stop string), carrying that token's probabilities."""
-        fresh = self._probs(choice, choice.logprobs_sent)
+        fresh = self._probs(choice, call.body.post_sampling_probs, choice.logprobs_sent)
         if not text and not fresh:
             return []
         choice.logprobs_sent += len(fresh)
@@ -234,11 +240,14 @@ class NativeShape:
         return [sse({**event, "completion_probabilities": fresh} if fresh else event)]
 
     @staticmethod
-    def _probs(choice: Choice, start: int = 0) -> list[dict]:
-        """llama-server's completion_probabilities of the choice's tokens from `start`."""
+    def _probs(choice: Choice, post_sampling: bool, start: int = 0) -> list[dict]:
+        """llama-server's completion_probabilities of the choice's tokens from `start`;
+        after the sampler chain (`post_sampling`) as probabilities, as there."""
         def item(token_id: int, entry) -> dict:
-            return {"id": token_id, "token": entry.token, "logprob": entry.logprob, "bytes": entry.bytes}
-        return [{**item(token, entry), "top_logprobs": [item(t, top) for (t, _), top in zip(ranks, entry.top_logprobs)]}
+            said = {"prob": math.exp(entry.logprob)} if post_sampling else {"logprob": entry.logprob}
+            return {"id": token_id, "token": entry.token, **said, "bytes": entry.bytes}
+        tops = "top_probs" if post_sampling else "top_logprobs"
+        return [{**item(token, entry), tops: [item(t, top) for (t, _), top in zip(ranks, entry.top_logprobs)]}
                 for entry, (token, (_, ranks)) in zip(choice.logprobs[start:], choice.ranked[start:])]
 
     def ending(self, call: Call, choice: Choice):
@@ -275,7 +284,8 @@ class NativeShape:
             "has_new_line": "\n" in choice.text.sent, "truncated": False, "stop_type": stop_type,
             "stopping_word": getattr(choice.text, "stop_string", "") if choice.text.stopped else "",
             "timings": telemetry.timings(call, choice),
-            **({"completion_probabilities": self._probs(choice)} if body.n_probs and whole else {})}
+            **({"completion_probabilities": self._probs(choice, body.post_sampling_probs)}
+               if body.n_probs and whole else {})}
 
 
 # ---- tokenize, detokenize ----------------------------------------------------------------

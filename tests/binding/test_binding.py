@@ -102,6 +102,22 @@ def test_seeded_sampling_is_reproducible(smol):
     assert outs[0] == outs[1]
 
 
+def test_sample_candidates_draws_what_sample_draws(smol):
+    """The same chain and seed pick the same token either way; the candidates it reports
+    are the chain's (top_k 5: five at most, their probabilities summing to 1)."""
+    with Context(smol, n_ctx=64) as ctx:
+        row = ctx.decode_tokens(smol.tokenize(PROMPT))
+        picks = []
+        for reported in (False, True):
+            with Sampler(temp=0.9, top_k=5, seed=3) as s:
+                picks.append([s.sample_candidates(ctx, row, 10) if reported else (s.sample(ctx, row), None)
+                              for _ in range(6)])
+    assert [t for t, _ in picks[0]] == [t for t, _ in picks[1]]
+    for token, (logp, best) in picks[1]:
+        assert len(best) <= 5 and sum(np.exp(lp) for _, lp in best) == pytest.approx(1.0, abs=1e-5)
+        assert (token, logp) in best
+
+
 def test_logits_view_shape(smol):
     with Context(smol, n_ctx=64) as ctx:
         row = ctx.decode_tokens(smol.tokenize("Hello"))

@@ -283,6 +283,27 @@ def test_the_assistants_last_words_are_continued_and_two_at_the_end_refused(serv
     assert twice.status_code == 400 and "2 or more assistant messages" in twice.json()["error"]["message"]
 
 
+def test_post_sampling_probs_are_what_the_chain_drew_from(server):
+    """llama-server's post_sampling_probs: each token's probability after top_k/top_p/min_p
+    and the temperature, the candidates most likely first; three left by top_k sum to 1,
+    and greedy leaves one, of probability 1."""
+    def probs(**asked) -> list[dict]:
+        body = {"prompt": "Today was the day. Today I would finally become a", "n_predict": 4, "n_probs": 10,
+                "post_sampling_probs": True, "seed": 7, **asked}
+        got = post(server, "/completion", body)
+        assert got.status_code == 200, got.text
+        return got.json()["completion_probabilities"]
+    for tok in probs(temperature=1.0, top_k=3):
+        tops = [p["prob"] for p in tok["top_probs"]]
+        assert 1 <= len(tops) <= 3 and tops == sorted(tops, reverse=True) and all(0 < p <= 1 for p in tops)
+        assert sum(tops) == pytest.approx(1.0, abs=1e-5) and "logprob" not in tok
+        assert tok["prob"] in tops and tok["id"] in {p["id"] for p in tok["top_probs"]}
+    wide = probs(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    assert len(wide[0]["top_probs"]) == 10 and sum(p["prob"] for p in wide[0]["top_probs"]) < 1
+    for tok in probs(temperature=0):
+        assert tok["prob"] == 1.0 and [(p["id"], p["prob"]) for p in tok["top_probs"]] == [(tok["id"], 1.0)]
+
+
 def test_ignore_eos_bans_every_end_token_and_says_so_in_the_settings(server, smol):
     """An end-of-generation token pushed to the top ends the answer at once; with
     ignore_eos it is banned (-inf, null in the settings as llama-server writes it) and the
