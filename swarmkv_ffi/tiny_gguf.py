@@ -3,7 +3,7 @@
 build_llama.sh decodes with it to prove a fresh libllama runs on this CPU before
 installing it, and tests use it where a real model would be slow or beside the point.
 Its matrices are quantised to the types real models ship (Q4_1 like SmolLM2, Q4_0,
-Q8_0) with row counts that are multiples of 32, so the CPU backend takes the same
+Q8_0, Q6_K) with row counts that are multiples of 32, so the CPU backend takes the same
 repacked and extra-buffer matmul paths it takes for a real model.
 
 `--like smollm2-135m` writes instead a random-weight twin of the default model: its
@@ -112,13 +112,28 @@ def write_llama(path: str, name: str, shape: dict, weight, seed: int = 0, tied: 
     return path
 
 
+def random_q6_k(rows: int, cols: int, rng, d_range: tuple[float, float] = (1e-5, 4e-5)) -> np.ndarray:
+    """Q6_K blocks of random bytes, each scaled by an fp16 d drawn from d_range: the
+    `gguf` package cannot quantize to Q6_K, and any bytes make a valid block (every
+    6-bit value, every int8 scale, -128 included)."""
+    raw = rng.integers(0, 256, size=(rows, cols // 256, 210), dtype=np.uint8)
+    d = rng.uniform(*d_range, size=(rows, cols // 256)).astype(np.float16)
+    raw[..., 208:] = np.frombuffer(d.tobytes(), np.uint8).reshape(rows, cols // 256, 2)
+    return raw.reshape(rows, -1)
+
+
 def quantized(types: dict, default: str):
     """A weight() for write_llama: each matrix quantised to the type its name's suffix
-    maps to in `types` (e.g. "attn_output.weight": "Q4_0"), else to `default`."""
+    maps to in `types` (e.g. "attn_output.weight": "Q4_0"), else to `default`; Q6_K as
+    random blocks (random_q6_k) of about the data's size."""
     import gguf
 
     def weight(tensor: str, data):
         qtype = gguf.GGMLQuantizationType[next((t for k, t in types.items() if tensor.endswith(k)), default)]
+        if qtype == gguf.GGMLQuantizationType.Q6_K:
+            rng = np.random.default_rng(data.view(np.uint32).ravel()[:4])
+            scale = float(np.abs(data).max()) / (127 * 32)
+            return random_q6_k(*data.shape, rng, (0.5 * scale, scale)), qtype
         return gguf.quants.quantize(data, qtype), qtype
     return weight
 
@@ -128,7 +143,8 @@ def write(path: str, seed: int = 0, claimed_layers: int | None = None) -> str:
     for the header that the tensors do not have (a hostile file: libllama asserts on 1000)."""
     shape = dict(n_embd=N_EMBD, n_head=N_HEAD, n_head_kv=N_HEAD, n_ff=N_FF, n_layer=N_LAYER, n_ctx=N_CTX,
                  n_vocab=len(SPECIAL) + 256 + N_WORDS)
-    types = {"token_embd.weight": "Q8_0", "attn_output.weight": "Q4_0", "ffn_down.weight": "Q8_0"}
+    types = {"token_embd.weight": "Q8_0", "attn_output.weight": "Q4_0", "ffn_down.weight": "Q8_0",
+             "attn_v.weight": "Q6_K"}
     return write_llama(path, "swarmkv tiny test model", shape, quantized(types, "Q4_1"), seed,
                        claimed_layers=claimed_layers)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prove that the libllama installed under PREFIX runs on this CPU: compile
-# tools/smoke_decode.c against it, write a tiny Q4_1/Q4_0/Q8_0 GGUF with the `gguf`
+# tools/smoke_decode.c against it, write a tiny Q4_1/Q4_0/Q8_0/Q6_K GGUF with the `gguf`
 # package, and decode with it in a child process. build_llama.sh runs this before it
 # writes the manifest; exit 0 means the decode worked, anything else means do not install.
 #

@@ -1,12 +1,13 @@
-"""Our Q4_1 GEMM/GEMV (kernels/ggml/0005) against ggml's own Q4_1 kernel and exact sums.
+"""Our repacked GEMM/GEMV kernels on x86 against ggml's own kernel and exact sums: Q4_1
+(kernels/ggml/0005) and Q6_K (0006).
 
-ggml multiplies Q4_1 weights one vec_dot_q4_1_q8_1 per row; the patch repacks eight weight
-rows per block at load (llama.cpp's CPU_REPACK buffer) and runs a gemm over groups of four
-batch rows, a gemv over the rest. `Model(..., repack=False)` keeps ggml's kernel.
+On x86 ggml multiplies Q4_1 and Q6_K weights one vec_dot per row; the patches repack eight
+weight rows per block at load (llama.cpp's CPU_REPACK buffer) and run a gemm over groups of
+four batch rows, a gemv over the rest. `Model(..., repack=False)` keeps ggml's kernel.
 
 Logits of a deep model are no place to compare two kernels: thirty layers turn a rounding
 difference into any other. So the comparison runs on a model that is one matmul: its layers
-are zeros, so its logits are the Q4_1 output matrix times the normalised embedding row, and
+are zeros, so its logits are the quantized output matrix times the normalised embedding row, and
 NumPy computes the same product exactly from the dequantized weights. Both kernels quantize
 the activations to 8 bits the same way, which dominates their error; ours must be as close
 to the exact product as ggml's and within rounding of ggml's answer. Exact mode runs the gemv
@@ -22,11 +23,11 @@ import pytest
 from swarmkv_ffi import Batch, Context, ContextParams, Model, catalog, library, tiny_gguf
 
 pytestmark = pytest.mark.skipif("avx2" not in (library.manifest().get("cpu_features") or []),
-                                reason="the repacked Q4_1 kernel is built for x86 with AVX2 only")
+                                reason="the repacked Q4_1 and Q6_K kernels are built for x86 with AVX2 only")
 
 BATCHES = [1, 2, 3, 4, 5, 7, 8, 9, 16, 33]   # gemv only, gemm + gemv remainders, several gemm groups
-# Ours against ggml's answer: they differ by rounding only (ggml rounds the activation sum to
-# fp16, we keep fp32); a wrong interleave or a lost min term is off by order 1.
+# Ours against ggml's answer: they differ by rounding only (for Q4_1 ggml rounds the activation
+# sum to fp16, we keep fp32); a wrong interleave or a lost min term is off by order 1.
 NEAR_GGML = 2e-5
 # Ours against the exact product, relative to ggml's own distance from it.
 NO_WORSE = 1.25
@@ -57,23 +58,28 @@ def nmse(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return ((a - b) ** 2).sum(axis=-1) / (b ** 2).sum(axis=-1)
 
 
-def one_matmul_model(path: str, n_embd: int, n_vocab: int):
-    """A model whose logits are one Q4_1 matmul: output (n_vocab x n_embd, Q4_1) times
+def one_matmul_model(path: str, n_embd: int, n_vocab: int, kind: str = "Q4_1"):
+    """A model whose logits are one matmul: output (n_vocab x n_embd, of type `kind`) times
     rmsnorm(embedding row) (f32), every layer zero. Returns the path and an exact(tokens)
     that computes those logits in float64 from the dequantized weights."""
     import gguf
-    kept = {}
+    kept, rng = {}, np.random.default_rng(n_embd + n_vocab)
 
     def weight(name, data):
         if name.startswith("blk."):
             return np.zeros_like(data), None
-        qtype = gguf.GGMLQuantizationType.Q4_1 if name == "output.weight" else gguf.GGMLQuantizationType.F32
-        stored = gguf.quants.quantize(data * (20 if qtype == gguf.GGMLQuantizationType.F32 else 1), qtype)
+        if name != "output.weight":
+            qtype, stored = gguf.GGMLQuantizationType.F32, data * 20
+        elif kind == "Q6_K":
+            qtype, stored = gguf.GGMLQuantizationType.Q6_K, tiny_gguf.random_q6_k(*data.shape, rng)
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            stored = gguf.quants.quantize(data, qtype)
         kept[name] = gguf.quants.dequantize(stored, qtype).astype(np.float64)
         return stored, qtype
 
     shape = dict(n_embd=n_embd, n_head=n_embd // 32, n_head_kv=1, n_ff=64, n_layer=1, n_ctx=256, n_vocab=n_vocab)
-    tiny_gguf.write_llama(path, "one Q4_1 matmul", shape, weight)
+    tiny_gguf.write_llama(path, f"one {kind} matmul", shape, weight)
 
     def exact(tokens):
         h = kept["token_embd.weight"][tokens]
@@ -81,11 +87,13 @@ def one_matmul_model(path: str, n_embd: int, n_vocab: int):
     return path, exact
 
 
-@pytest.fixture(scope="module", params=[(96, 328), (576, 1024), (2048, 264)],
-                ids=["3-blocks", "smollm2-width", "64-blocks"])
+@pytest.fixture(scope="module", params=[("Q4_1", 96, 328), ("Q4_1", 576, 1024), ("Q4_1", 2048, 264),
+                                        ("Q6_K", 256, 328), ("Q6_K", 1536, 576), ("Q6_K", 4096, 264)],
+                ids=["q4_1-3-blocks", "q4_1-smollm2-width", "q4_1-64-blocks",
+                     "q6_k-1-block", "q6_k-smollm2-ffn-width", "q6_k-16-blocks"])
 def matmul(request, tmp_path_factory):
-    n_embd, n_vocab = request.param
-    return one_matmul_model(str(tmp_path_factory.mktemp("q4_1") / "one.gguf"), n_embd, n_vocab)
+    kind, n_embd, n_vocab = request.param
+    return one_matmul_model(str(tmp_path_factory.mktemp(kind) / "one.gguf"), n_embd, n_vocab, kind)
 
 
 def test_the_default_model_takes_the_repacked_kernel(caplog):
@@ -94,11 +102,12 @@ def test_the_default_model_takes_the_repacked_kernel(caplog):
     assert buffer_mib(path, False, caplog) == 0
 
 
-def test_rows_not_a_multiple_of_8_keep_ggml_kernel(tmp_path, caplog):
-    repacked, _ = one_matmul_model(str(tmp_path / "328.gguf"), 96, 328)
-    odd, exact = one_matmul_model(str(tmp_path / "325.gguf"), 96, 325)
+@pytest.mark.parametrize("kind,width", [("Q4_1", 96), ("Q6_K", 256)])
+def test_rows_not_a_multiple_of_8_keep_ggml_kernel(tmp_path, caplog, kind, width):
+    repacked, _ = one_matmul_model(str(tmp_path / "328.gguf"), width, 328, kind)
+    odd, exact = one_matmul_model(str(tmp_path / "325.gguf"), width, 325, kind)
     assert buffer_mib(repacked, True, caplog) > 0
-    assert buffer_mib(odd, True, caplog) == 0      # its only Q4_1 matrix has 325 rows
+    assert buffer_mib(odd, True, caplog) == 0      # its only quantized matrix has 325 rows
     with Model(odd) as model:
         assert nmse(all_logits(model, [5, 6, 7, 8, 9]), exact([5, 6, 7, 8, 9])).max() < 1e-3
 
