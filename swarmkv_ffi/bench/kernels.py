@@ -24,10 +24,15 @@ table had to make), "vs stock" the default over stock llama.cpp. --op also times
 flash-attention op alone (swarmkv_ffi.fattn) for the same shapes. --types also runs the
 model requantized to other weight types (made once by the stock llama-quantize, kept under
 build_llama.sh's cache folder in requantized/): each weight type has its own matmul kernels, ours
-(Q4_1 on x86, docs/matmul.md) or ggml's.
+(Q4_1 and Q6_K on x86, docs/matmul.md) or ggml's. K-quants need rows of a multiple of 256
+values, which SmolLM2 (576 wide) mostly lacks: llama-quantize gives its other matrices
+another type. A model of Llama-3.2-1B's shapes (random weights, written once by
+swarmkv_ffi.shaped_gguf) takes K-quants everywhere:
 
     swarmkv bench kernels --npp 3500 --npl 1,4,16 --repeats 5 --out bench/results/latest/kernels.json
     swarmkv bench kernels --types file,q4_0,q8_0,q4_k_m --npp 256 --npl 1,16,64,128 --variants stock,default
+    python -m swarmkv_ffi.shaped_gguf llama1b-f16.gguf --type F16
+    swarmkv bench kernels --model llama1b-f16.gguf --types q6_k,q4_k_m --npp 256 --npl 1,16 --variants stock,ggml,default
 """
 from __future__ import annotations
 
