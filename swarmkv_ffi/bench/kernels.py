@@ -32,7 +32,8 @@ swarmkv_ffi.shaped_gguf) takes K-quants everywhere:
     swarmkv bench kernels --npp 3500 --npl 1,4,16 --repeats 5 --out bench/results/latest/kernels.json
     swarmkv bench kernels --types file,q4_0,q8_0,q4_k_m --npp 256 --npl 1,16,64,128 --variants stock,default
     python -m swarmkv_ffi.shaped_gguf llama1b-f16.gguf --type F16
-    swarmkv bench kernels --model llama1b-f16.gguf --types q6_k,q4_k_m --npp 256 --npl 1,16 --variants stock,ggml,default
+    swarmkv bench kernels --model llama1b-f16.gguf --types q6_k,q4_k_m --npp 256 --npl 1,16 \\
+        --variants stock,ggml,default
 """
 from __future__ import annotations
 

@@ -412,7 +412,8 @@ def test_a_built_in_template_by_name_renders_the_chat(tmp_path):
         assert got.status_code == 200, got.text
         assert got.json()["prompt"] == (
             "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>You are a test.<|END_OF_TURN_TOKEN|>"
-            "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hi there<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")
+            "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hi there<|END_OF_TURN_TOKEN|>"
+            "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")
         assert requests.get(s.url + "/props", timeout=30).json()["chat_template"] == "command-r"
         answer = post(s, "/v1/chat/completions", {"model": MODEL, "max_tokens": 3,
                                                   "messages": [{"role": "user", "content": "Hi"}]})
