@@ -9,14 +9,18 @@ cells and compute buffers) is booked in the ledger under the model's name before
 used, and freed with the model; with no room the request gets 503.
 
 A request's inputs are packed into as few decodes as the context holds (EMBED_CELLS
-tokens, EMBED_SEQS inputs each), one request at a time per model, on a worker thread; an
-input longer than EMBED_CELLS tokens is a 400 naming it. Each input is its own sequence
+tokens, EMBED_SEQS inputs each), on a worker thread; an input longer than EMBED_CELLS
+tokens is a 400 naming it. The context runs one decode at a time, and the keys waiting
+for it take turns decode by decode (`TakeTurns`): one key's request of 65,536 tokens
+does not hold it while another key's one sentence waits. Each input is its own sequence
 and pooled over its own rows, so what else shares its decode changes which kernels round
 its sums, not what it attends to (compare vectors with a tolerance).
 """
 from __future__ import annotations
 
 import base64
+import collections
+import contextlib
 import threading
 from typing import Literal, Union
 
@@ -102,27 +106,28 @@ class Embedder:
             ctx.close()
             raise Refused(503, f"no memory for this model's embeddings context ({exc})", "no_room") from None
         self.ctx, self.ledger, self.key = ctx, ledger, key
-        self._lock = threading.Lock()
+        self._turns = TakeTurns()
         self._batch = Batch(EMBED_CELLS)
 
-    def embed(self, inputs: list[list[int]]) -> np.ndarray:
-        """One unit vector per input (rows in order)."""
-        out = self.pooled(inputs)
+    def embed(self, inputs: list[list[int]], owner=None) -> np.ndarray:
+        """One unit vector per input (rows in order), for `owner` (an API key's)."""
+        out = self.pooled(inputs, owner)
         norms = np.linalg.norm(out, axis=1, keepdims=True)
         return out / np.where(norms > 0, norms, 1)
 
-    def pooled(self, inputs: list[list[int]]) -> np.ndarray:
-        """What the context pools for each input (rows in order), as libllama gives it."""
+    def pooled(self, inputs: list[list[int]], owner=None) -> np.ndarray:
+        """What the context pools for each input (rows in order), as libllama gives it;
+        `owner` takes its turn at the context for each decode."""
         out = np.zeros((len(inputs), self.width), dtype=np.float32)
-        with self._lock:
-            start = 0
-            while start < len(inputs):
-                end, cells = start, 0
-                while end < len(inputs) and end - start < self.per_decode and cells + len(inputs[end]) <= EMBED_CELLS:
-                    cells += len(inputs[end])
-                    end += 1
+        start = 0
+        while start < len(inputs):
+            end, cells = start, 0
+            while end < len(inputs) and end - start < self.per_decode and cells + len(inputs[end]) <= EMBED_CELLS:
+                cells += len(inputs[end])
+                end += 1
+            with self._turns.turn(owner):
                 self._decode(inputs[start:end], out[start:end])
-                start = end
+            start = end
         return out
 
     def _decode(self, group: list[list[int]], into: np.ndarray) -> None:
@@ -135,9 +140,45 @@ class Embedder:
             into[seq] = self.ctx.embedding(seq)
 
     def close(self) -> None:
-        with self._lock:
+        with self._turns.turn(None):
             self.ctx.close()
             self.ledger.release(self.key)
+
+
+class TakeTurns:
+    """A lock that owners waiting for it get in turn: on release it goes to the owner
+    after the last one served, round-robin, each owner's own waiters first come, first
+    served. (threading.Lock wakes any waiter, so a key with many threads would win most
+    turns.)"""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._held = False
+        self._waiting: collections.OrderedDict = collections.OrderedDict()   # owner -> its waiters, in order
+        self._granted: object | None = None       # a waiter's token, handed the lock by release
+
+    @contextlib.contextmanager
+    def turn(self, owner):
+        me = object()
+        with self._cond:
+            if self._held or self._waiting:
+                self._waiting.setdefault(owner, collections.deque()).append(me)
+                self._cond.wait_for(lambda: self._granted is me)
+                self._granted = None
+            self._held = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held = False
+                if self._waiting:
+                    owner, queue = next(iter(self._waiting.items()))
+                    self._granted = queue.popleft()
+                    del self._waiting[owner]
+                    if queue:                      # its next waiter goes to the back of the round
+                        self._waiting[owner] = queue
+                    self._held = True
+                    self._cond.notify_all()
 
 
 def has_rank_head(model) -> bool:

@@ -300,8 +300,8 @@ async def rerank(request: Request):
 
 async def pooled(request: Request, api: str, schema, tokens_of, runner):
     """The path embeddings and rerank share: the body read and its inputs tokenized off the
-    loop, then `runner(hosted)` run over them on a worker thread, counted as one choice in
-    flight of the key's while it runs. Returns the model's id, the body, the inputs and
+    loop, then `runner(hosted)` run over them (and the key, which takes its turns at the
+    context) on a worker thread, counted as one choice in flight of the key's while it runs. Returns the model's id, the body, the inputs and
     what the runner gave."""
     who = owner_of(request)
     s = served(request)
@@ -315,7 +315,7 @@ async def pooled(request: Request, api: str, schema, tokens_of, runner):
         s.engine.admit(who, 1)
         try:
             run = await asyncio.to_thread(runner, use.hosted)
-            out = await asyncio.to_thread(run, inputs)
+            out = await asyncio.to_thread(run, inputs, who)
         finally:
             s.engine.leave(who, 1)
     finally:

@@ -5,6 +5,9 @@ both encodings, the embeddings context booked in the ledger, and bad inputs refu
 name."""
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import openai
 import pytest
@@ -98,3 +101,29 @@ def test_pooling_is_the_operators_choice_as_llama_servers(tmp_path):
     assert np.isclose(np.linalg.norm(b), 1, atol=1e-5) and a @ b < 0.99
     refused = served("--pooling", "none")
     assert refused.status_code == 400 and "--pooling none" in refused.json()["error"]["message"]
+
+
+def test_another_keys_sentence_does_not_wait_for_a_long_request(tmp_path):
+    """Issue 63: the embeddings context runs one decode at a time. A key's request of many
+    long inputs (three decodes here) used to hold it whole; keys now take turns decode by
+    decode, so another key's one sentence, sent once the long request runs, is answered
+    before the long one ends."""
+    keys = tmp_path / "keys"
+    keys.write_text("key-a-0123456789 alice\nkey-b-0123456789 bob\n")
+    long_inputs = [" ".join(f"word{i} {j}" for j in range(160)) for i in range(6)]   # ~900 tokens each
+    done: dict[str, float] = {}
+
+    def ask(key: str, inputs) -> None:
+        got = requests.post(s.url + "/v1/embeddings", json={"model": MODEL, "input": inputs},
+                            headers={"Authorization": f"Bearer {key}"}, timeout=300)
+        assert got.status_code == 200, got.text
+        done[key] = time.monotonic()
+
+    with Serve("--ctx-size", "1024", "--api-key-file", str(keys), log=tmp_path / "serve.log") as s:
+        ask("key-b-0123456789", "warm the embeddings context up")
+        long_one = threading.Thread(target=ask, args=("key-a-0123456789", long_inputs))
+        long_one.start()
+        time.sleep(1.0)
+        ask("key-b-0123456789", "The cat sat on the mat.")
+        long_one.join(300)
+    assert done["key-b-0123456789"] < done["key-a-0123456789"]
