@@ -115,7 +115,8 @@ async def models(request: Request):
     s = served(request)
     cards = []
     for entry in s.engine.models.entries:
-        card = ModelCard(id=min(entry.names), created=s.created, aliases=list(entry.names), tags=list(entry.spec.tags))
+        card = ModelCard(id=min(entry.names), created=s.created, aliases=list(entry.names),
+                         tags=list(entry.spec.tags))
         if operator:
             card.status = ModelStatus(value=entry.state, pinned=entry.spec.pinned)
             if entry.state == "failed":
@@ -301,8 +302,8 @@ async def rerank(request: Request):
 async def pooled(request: Request, api: str, schema, tokens_of, runner):
     """The path embeddings and rerank share: the body read and its inputs tokenized off the
     loop, then `runner(hosted)` run over them (and the key, which takes its turns at the
-    context) on a worker thread, counted as one choice in flight of the key's while it runs. Returns the model's id, the body, the inputs and
-    what the runner gave."""
+    context) on a worker thread, counted as one choice in flight of the key's while it
+    runs. Returns the model's id, the body, the inputs and what the runner gave."""
     who = owner_of(request)
     s = served(request)
     async with s.preparing(who):
