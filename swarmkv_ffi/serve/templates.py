@@ -197,7 +197,7 @@ def render(model, messages: list[dict], tools: list[dict] | None = None, mark=No
         opener = True
         continued = mark(continued) if mark is not None else continued
     source = source_of(model, template)
-    named = template.name if isinstance(template, Builtin) else None
+    builtin = template.name if isinstance(template, Builtin) else None
     template = _compiled(source) if source else None
     if template is None or not knows_tools(source):
         messages = plain_messages(messages)
@@ -207,7 +207,7 @@ def render(model, messages: list[dict], tools: list[dict] | None = None, mark=No
         messages = [_marked(m, mark) for m in messages]
     if template is None:
         return model.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
-                                         add_assistant=opener, template=named) + (continued or "")
+                                         add_assistant=opener, template=builtin) + (continued or "")
     given = dict(messages=messages, tools=tools if knows_tools(source) else None, add_generation_prompt=opener,
                  bos_token=special_text(model, model.bos), eos_token=special_text(model, model.eos))
     if clash := sorted(set(variables) & set(given)):
