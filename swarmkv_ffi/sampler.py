@@ -86,6 +86,9 @@ class Sampler(Owned):
         `top` likeliest candidates with theirs, none of probability 0). Greedy draws from
         one candidate, its probability 1, as a temperature of 0 leaves llama.cpp's chain."""
         self._check_open()
+        if self.settings["temp"] <= 0:
+            token = self.sample(ctx, idx)
+            return token, (0.0, [(token, 0.0)])
         logits = ctx.logits(idx)
         data = ffi.new("llama_token_data[]", logits.size)
         view = np.frombuffer(ffi.buffer(data), dtype=TOKEN_DATA)
@@ -95,8 +98,6 @@ class Sampler(Owned):
         left = np.frombuffer(ffi.buffer(cur.data, cur.size * TOKEN_DATA.itemsize), dtype=TOKEN_DATA).copy()
         token = int(left["id"][cur.selected])
         self._lib.llama_sampler_accept(self._handle, token)
-        if self.settings["temp"] <= 0:
-            return token, (0.0, [(token, 0.0)])
         order = np.argsort(-left["p"], kind="stable")[:top]
         best = [(int(left["id"][i]), float(np.log(left["p"][i]))) for i in order if left["p"][i] > 0]
         return token, (float(np.log(left["p"][cur.selected])), best)
