@@ -105,12 +105,13 @@ def test_pooling_is_the_operators_choice_as_llama_servers(tmp_path):
 
 def test_another_keys_sentence_does_not_wait_for_a_long_request(tmp_path):
     """Issue 63: the embeddings context runs one decode at a time. A key's request of many
-    long inputs (three decodes here) used to hold it whole; keys now take turns decode by
+    long inputs (four decodes here) used to hold it whole; keys now take turns decode by
     decode, so another key's one sentence, sent once the long request runs, is answered
-    before the long one ends."""
+    before the long one ends. A machine that ends the long request before the sentence is
+    sent cannot judge this: it skips rather than pass or fail on its speed."""
     keys = tmp_path / "keys"
     keys.write_text("key-a-0123456789 alice\nkey-b-0123456789 bob\n")
-    long_inputs = [" ".join(f"word{i} {j}" for j in range(160)) for i in range(6)]   # ~900 tokens each
+    long_inputs = [" ".join(f"word{i} {j}" for j in range(160)) for i in range(8)]   # ~900 tokens each
     done: dict[str, float] = {}
 
     def ask(key: str, inputs) -> None:
@@ -123,7 +124,10 @@ def test_another_keys_sentence_does_not_wait_for_a_long_request(tmp_path):
         ask("key-b-0123456789", "warm the embeddings context up")
         long_one = threading.Thread(target=ask, args=("key-a-0123456789", long_inputs))
         long_one.start()
-        time.sleep(1.0)
+        time.sleep(0.3)
+        sent = time.monotonic()
         ask("key-b-0123456789", "The cat sat on the mat.")
         long_one.join(300)
+    if done["key-a-0123456789"] < sent:
+        pytest.skip("the long request ended before the sentence was sent")
     assert done["key-b-0123456789"] < done["key-a-0123456789"]
