@@ -24,14 +24,15 @@ def rate(n_tokens: int, ms: float) -> float:
 
 
 class TextStream:
-    """Turns token pieces into text without splitting UTF-8 characters."""
+    """Turns token pieces into text without splitting UTF-8 characters; the control
+    tokens in `shown` as their text (others write nothing)."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, shown: frozenset[int] = frozenset()):
+        self.model, self.shown = model, shown
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
     def push(self, token: int) -> str:
-        return self._decoder.decode(self.model.token_bytes(token))
+        return self._decoder.decode(self.model.token_bytes(token, special=token in self.shown))
 
     def flush(self) -> str:
         return self._decoder.decode(b"", final=True)

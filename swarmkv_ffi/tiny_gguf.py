@@ -156,6 +156,27 @@ def write_twin(path: str, like: str = "smollm2-135m", seed: int = 0) -> str:
                        quantized({"token_embd.weight": "Q8_0"}, "Q4_1"), seed, tied=True)
 
 
+def retokened(source: str, path: str, renamed: dict[str, str], chat_template: str | None = None) -> str:
+    """Copy the GGUF `source` to `path` with tokens renamed (old text -> new text, the
+    token's type kept) and, if given, another chat template: a real model that carries
+    another family's control tokens (SmolLM2 with Mistral's [TOOL_CALLS]), for tests of
+    that family's forms. Returns the path."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+    reader = gguf.GGUFReader(source)
+    tokens = [renamed.get(t, t) for t in reader.fields[gguf.Keys.Tokenizer.LIST].contents()]
+    missing = set(renamed) - set(reader.fields[gguf.Keys.Tokenizer.LIST].contents())
+    if missing:
+        raise ValueError(f"{source} has no token {sorted(missing)}")
+    new = {gguf.Keys.Tokenizer.LIST: MetadataDetails(gguf.GGUFValueType.ARRAY, tokens,
+                                                     sub_type=gguf.GGUFValueType.STRING)}
+    if chat_template is not None:
+        new[gguf.Keys.Tokenizer.CHAT_TEMPLATE] = MetadataDetails(gguf.GGUFValueType.STRING, chat_template)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    copy_with_new_metadata(reader, gguf.GGUFWriter(path, arch=arch, endianess=reader.endianess), new, [])
+    return path
+
+
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(prog="tiny_gguf.py", description="write a random-weight test model")

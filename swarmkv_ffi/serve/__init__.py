@@ -21,8 +21,8 @@ Lowest first (tests/test_layers.py holds the same order):
     embeddings.py POST /v1/embeddings from a served model
     rerank.py     llama-server's POST /rerank (with --reranking): documents scored against a query
     vertex.py     Google Vertex AI's POST /predict (AIP_MODE=PREDICTION), each instance by its route
-    dialects.py   a model family's tool-call form and thoughts (Hermes' <tool_call>, <think>), told by
-                  its template; answers read whole or as they stream
+    dialects.py   a model family's tool-call form and thoughts (Hermes' <tool_call>, Mistral's
+                  [TOOL_CALLS], <think>), told by its template; answers read whole or as they stream
     structured.py response_format, tools and grammar: the grammar a request's output follows
                   (in the model's dialect), and the answer read back as content or tool calls
     hosted.py     one hosted model: its RequestPool, the host-RAM tier below it, how its size was chosen

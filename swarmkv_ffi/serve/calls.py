@@ -98,7 +98,8 @@ class Call:
         self._left = n * len(self.prompts)
         for p, tokens in enumerate(self.prompts):
             for k in range(n):
-                choice = Choice(p * n + k, TextStream(self.hosted.model, self.body.stops()), self.hosted.model)
+                stream = TextStream(self.hosted.model, self.body.stops(), shown=self.structure.shown)
+                choice = Choice(p * n + k, stream, self.hosted.model)
                 job = Job(self.hosted, self.owner, tokens, self.max_tokens, self._on_token(choice),
                           sampling=self.body.settings(k, self.max_tokens), top_logprobs=self.body.ranked(),
                           grammar=self.structure.compiled or self.structure.grammar)

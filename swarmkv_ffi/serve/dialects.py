@@ -12,6 +12,13 @@ llama.cpp's chat parser tells it: by the markers the template names).
 - Llama 3.x (templates with an `ipython` turn): the template tells the tools, and the
   model answers either in words or with one call, the whole answer
       {"name": "lookup", "parameters": {...}}
+- Mistral (templates that name `[TOOL_CALLS]`: Mistral 7B v0.3, Nemo, Small 3.x): the
+  template tells the tools, and the model answers either in words or with its calls, the
+  whole answer
+      [TOOL_CALLS][{"name": "lookup", "arguments": {...}}, ...]
+  `[TOOL_CALLS]` is a control token of their vocabulary: the grammar makes the model
+  write that token (not its text), and the stream shows it as text for the reader. Call
+  ids are nine letters and digits, the only ids these templates accept.
 - Thoughts: a template that names `<think>` or `</think>` (Qwen3, QwQ, DeepSeek R1 and its distills)
   marks a thinking model; what it writes between <think> and </think> (or from the start
   of its answer to </think>, when the prompt itself opens the thought) is the message's
@@ -27,11 +34,14 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass, field
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_OPEN = "[TOOL_CALLS]"
 #: the start of a call object in either form, name first, as the grammars write it
 HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 LLAMA3_MARK = "<|start_header_id|>ipython<|end_header_id|>"   # the tool results' turn, as llama.cpp detects it
@@ -64,20 +74,34 @@ class Part:
     id: str = ""
 
 
-def call_id() -> str:
+def call_id(calls: str = "generic") -> str:
+    """A new call's id: OpenAI's shape, or nine letters and digits for Mistral's templates
+    (which raise on any other)."""
+    if calls == "mistral":
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass(frozen=True)
 class Dialect:
-    """A template's tool-call form ("generic", "hermes" or "llama3") and whether it thinks."""
+    """A template's tool-call form ("generic", "hermes", "llama3" or "mistral") and
+    whether it thinks. opener: the vocabulary's control token that opens the calls
+    (Mistral's `[TOOL_CALLS]`), None where the form's marker is plain text."""
     calls: str = "generic"
     thinks: bool = False
+    opener: int | None = None
 
     @property
     def tells_tools(self) -> bool:
         """Does the template tell the model the tools and their form itself?"""
         return self.calls != "generic"
+
+    def with_vocabulary(self, controls: dict[str, int]) -> "Dialect":
+        """This dialect for a vocabulary whose control tokens are `controls` (text -> id):
+        Mistral's opener is the token where the vocabulary has one."""
+        if self.calls != "mistral":
+            return self
+        return Dialect(self.calls, self.thinks, controls.get(MISTRAL_OPEN))
 
 
 def detect(source: str | None) -> Dialect:
@@ -86,8 +110,13 @@ def detect(source: str | None) -> Dialect:
     templates.knows_tools asks: one that does not is told the generic form instead."""
     source = source or ""
     renders = "tool_calls" in source
-    calls = "hermes" if renders and CALL_OPEN in source else "llama3" if renders and LLAMA3_MARK in source \
-        else "generic"
+    calls = "generic"
+    if renders and CALL_OPEN in source:
+        calls = "hermes"
+    elif renders and LLAMA3_MARK in source:
+        calls = "llama3"
+    elif renders and MISTRAL_OPEN in source and "[ARGS]" not in source:   # not Ministral 3's name[ARGS]{...}
+        calls = "mistral"
     return Dialect(calls=calls,
                    thinks=THINK_OPEN in source or THINK_CLOSE in source)
 
@@ -133,9 +162,22 @@ def read_llama3(text: str) -> Reply:
         return Reply(text)
 
 
+def read_mistral(text: str) -> Reply:
+    """[TOOL_CALLS] and a list of calls as the whole answer, or words."""
+    stripped = text.strip()
+    if not stripped.startswith(MISTRAL_OPEN):
+        return Reply(text)
+    try:
+        calls = json.loads(stripped[len(MISTRAL_OPEN):])
+        return Reply(None, [ToolCall(call_id("mistral"), c["name"], json.dumps(c["arguments"])) for c in calls])
+    except (ValueError, KeyError, TypeError):
+        return Reply(text)
+
+
 def read(dialect: Dialect, text: str) -> Reply:
     """A whole answer in the dialect's call form."""
-    return {"hermes": read_hermes, "llama3": read_llama3}.get(dialect.calls, read_generic)(text)
+    return {"hermes": read_hermes, "llama3": read_llama3, "mistral": read_mistral}.get(
+        dialect.calls, read_generic)(text)
 
 
 def read_hermes(text: str) -> Reply:
@@ -173,8 +215,8 @@ class CallScanner:
     text past the object's end once it has one. A call whose arguments come before its
     name (no grammar made the model write it our way) is sent whole at its end."""
 
-    def __init__(self, index: int):
-        self.index, self.id = index, call_id()
+    def __init__(self, index: int, calls: str = "generic"):
+        self.index, self.id = index, call_id(calls)
         self.text, self.at = "", 0
         self.depth, self.in_string, self.escaped = 0, False, False
         self.args_from: int | None = None       # where the arguments begin, once the name is read
@@ -322,6 +364,8 @@ class Reader:
             self._hermes(text, out)
         elif self.dialect.calls == "llama3":
             self._llama3(text, out)
+        elif self.dialect.calls == "mistral":
+            self._mistral(text, out)
         else:
             self._generic(text, out)
 
@@ -340,8 +384,45 @@ class Reader:
         elif self.state == "call":
             self._scan(text, out, then="done")
 
+    def _mistral(self, text: str, out: list[Part]) -> None:
+        """[TOOL_CALLS] from the first character, then a list of calls; else words."""
+        if self.state == "text":
+            stripped = text.lstrip()
+            if not stripped.startswith(MISTRAL_OPEN):
+                if not stripped or MISTRAL_OPEN.startswith(stripped):
+                    self.pending = text
+                    return
+                self.state = "words"
+            else:
+                self.state, text = "list", stripped[len(MISTRAL_OPEN):]
+        if self.state == "words":
+            out.append(Part("content", text))
+            return
+        if self.state == "list":
+            text = text.lstrip()
+            if not text:
+                return
+            self.state, text = ("between", text[1:]) if text.startswith("[") else ("held_done", "")
+        self._calls(text, out)
+
+    def _calls(self, text: str, out: list[Part]) -> None:
+        """Calls in a JSON list, past its `[`: each call streamed, the list's end (or
+        anything not a call) ends the reading."""
+        while text:
+            if self.state == "between":
+                text = text.lstrip(" \n,")
+                if text.startswith("{"):
+                    self._open_call()
+                elif text:
+                    self.state = "held_done"
+                    return
+            elif self.state == "call":
+                text = self._scan(text, out, then="between")
+            else:
+                return
+
     def _open_call(self) -> None:
-        self.scanner, self.state = CallScanner(self.n_calls), "call"
+        self.scanner, self.state = CallScanner(self.n_calls, self.dialect.calls), "call"
         self.n_calls += 1
 
     def _scan(self, text: str, out: list[Part], then: str) -> str | None:
@@ -387,24 +468,13 @@ class Reader:
         if self.state == "text":
             self.state = "envelope"
             text = self.whole
-        while text:
-            if self.state == "envelope":
-                if not self.whole.startswith(ENVELOPE):
-                    if not ENVELOPE.startswith(self.whole):
-                        self.state = "held"
-                    return
-                self.state, text = "between", self.whole[len(ENVELOPE):]
-            elif self.state == "between":
-                text = text.lstrip(" \n,")
-                if text.startswith("{"):
-                    self._open_call()
-                elif text:
-                    self.state = "held_done"
-                    return
-            elif self.state == "call":
-                text = self._scan(text, out, then="between")
-            else:
+        if self.state == "envelope":
+            if not self.whole.startswith(ENVELOPE):
+                if not ENVELOPE.startswith(self.whole):
+                    self.state = "held"
                 return
+            self.state, text = "between", self.whole[len(ENVELOPE):]
+        self._calls(text, out)
 
 
 @dataclass

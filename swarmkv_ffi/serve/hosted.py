@@ -77,6 +77,7 @@ class HostedModel:
         """How its chat template writes tool calls and thoughts (dialects.py); a thought
         stays in the text under --reasoning-format none."""
         dialect = dialects.detect(templates.source_of(self.model, self.chat_template))
+        dialect = dialect.with_vocabulary((templates.control_tokens(self.model) or (None, {}))[1])
         return dialect if self.reads_thoughts else dataclasses.replace(dialect, thinks=False)
 
     def template_variables(self, body) -> dict:

@@ -33,7 +33,7 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from .. import grammar as grammars
 from . import dialects
-from .dialects import CALL_CLOSE, CALL_OPEN, Dialect, Reader, Reply, split_thought
+from .dialects import CALL_CLOSE, CALL_OPEN, MISTRAL_OPEN, Dialect, Reader, Reply, split_thought
 from .errors import Refused
 
 MAX_GRAMMAR_CHARS = 32 << 10
@@ -88,6 +88,12 @@ class Structure:
         reply.reasoning = thought
         return reply
 
+    @property
+    def shown(self) -> frozenset[int]:
+        """Control tokens the answer's text shows (as their text) for the reader: the
+        dialect's opener of calls, when the answer may hold calls."""
+        return frozenset({self.dialect.opener} if self.enveloped and self.dialect.opener is not None else ())
+
     def reader(self) -> Reader:
         """A stream's reader of one choice's answer (dialects.Reader)."""
         return Reader(self.dialect, tools=self.enveloped, opened=self.opened)
@@ -133,6 +139,8 @@ def plan(body, parallel_default: bool = False, dialect: Dialect = Dialect()) -> 
     elif dialect.calls == "llama3":
         parallel = False          # the form has one call, as llama.cpp's handler has it
         grammar = llama3_grammar(offered, auto, response)
+    elif dialect.calls == "mistral":
+        grammar = mistral_grammar(offered, auto, parallel, response, dialect.opener)
     else:
         grammar = _compile(envelope(offered, auto=auto, parallel=parallel, response=response), "tools")
     return Structure(grammar=grammar, tools=tool_dicts, auto=auto, enveloped=True, dialect=dialect,
@@ -153,6 +161,27 @@ def llama3_grammar(functions: list[dict], auto: bool, response: dict | None) -> 
     else:
         start = "start: call | WORDS"
         rules.append("WORDS: /(.|\\n)+/ & ~/\\s*\\{(.|\\n)*/")
+    return _tools_lark([start] + rules)
+
+
+def mistral_grammar(functions: list[dict], auto: bool, parallel: bool, response: dict | None,
+                    opener: int | None) -> str:
+    """The Lark grammar of Mistral's calls: the whole answer `[TOOL_CALLS]` (the control
+    token `opener`, where the vocabulary has it) and a JSON list of one call (or,
+    `parallel`, more); `auto` also allows words (JSON by `response`, when given) that do
+    not open the calls."""
+    call = _bounded(grammars.json_rule({"anyOf": [_call_schema(f) for f in functions]}))
+    marker = f"<[{opener}]>" if opener is not None else json.dumps(MISTRAL_OPEN)
+    more = ' (", " call)*' if parallel else ""
+    rules = [f'calls: {marker} " "? "[" call{more} "]"', f"call: {call}"]
+    if not auto:
+        start = "start: calls"
+    elif response is not None:
+        start = "start: calls | answer"
+        rules.append(f"answer: {grammars.json_rule(response)}")
+    else:
+        start = "start: calls | WORDS"
+        rules.append(f"WORDS: /(.|\\n)+/ & ~/\\s*{re.escape(MISTRAL_OPEN)}(.|\\n)*/")
     return _tools_lark([start] + rules)
 
 

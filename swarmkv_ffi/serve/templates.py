@@ -248,10 +248,10 @@ def continuation(messages: list[dict], opener: bool, asked: bool | None) -> tupl
     return messages[:-1], last.get("content") or ""
 
 
-#: a template that writes a call's arguments as JSON itself (Qwen, Hermes, Llama 3.x) wants
-#: them as an object, as transformers passes them, not OpenAI's JSON text (llama.cpp's
-#: chat handler tells the same by rendering both)
-OBJECT_ARGUMENTS = re.compile(r"arguments\s*\|\s*tojson")
+#: a template that writes a call's arguments as JSON itself (Qwen, Hermes, Llama 3.x; Mistral
+#: writes the whole function) wants them as an object, as transformers passes them, not
+#: OpenAI's JSON text (llama.cpp's chat handler tells the same by rendering both)
+OBJECT_ARGUMENTS = re.compile(r"(arguments|function)\s*\|\s*tojson")
 
 
 def today() -> dict:

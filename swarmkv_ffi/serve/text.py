@@ -43,10 +43,13 @@ class StopMatcher:
 
 
 class TextStream:
-    def __init__(self, model, stop: list[str]):
+    """One answer's text as its tokens come; `shown`: control tokens written as their
+    text (a tool-call opener the reader looks for), where others write nothing."""
+
+    def __init__(self, model, stop: list[str], shown: frozenset[int] = frozenset()):
         self.stop = [s for s in stop if s]
         self._matchers = [StopMatcher(s) for s in self.stop]
-        self._pieces = Pieces(model)
+        self._pieces = Pieces(model, shown)
         self._text = ""       # decoded, not sent yet: at most what could begin a stop string
         self.sent = ""
         self.stopped = False  # a stop string was found

@@ -1,15 +1,17 @@
 """Reading answers in a model family's own dialect (serve/dialects.py), model-free: the
-Hermes `<tool_call>` form and the generic JSON form, thoughts between <think> tags, whole
-and as a stream cut at every place a tokenizer could cut it. A stream reassembled as
-OpenAI's clients do it must equal the whole answer read at once."""
+Hermes `<tool_call>` form, Llama 3.x's and Mistral's forms and the generic JSON form,
+thoughts between <think> tags, whole and as a stream cut at every place a tokenizer
+could cut it. A stream reassembled as OpenAI's clients do it must equal the whole
+answer read at once."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from swarmkv_ffi.serve.dialects import (Blocks, Dialect, Reader, detect, opens_thought, read_generic, read_hermes,
-                                        read_llama3, split_thought)
+                                        read_llama3, read_mistral, split_thought)
 
 pytestmark = pytest.mark.unit
 
@@ -20,15 +22,16 @@ CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo \\"}{\
 ARGS = {"city": 'Oslo "}{" [x]', "days": [1, {"a": 2}]}
 
 
-def streamed(reader: Reader, text: str, size: int) -> dict:
-    """Feed `text` in pieces of `size` characters; reassemble as a client does."""
+def streamed(reader: Reader, text: str, size: int, ids: str = r"call_[0-9a-f]{24}") -> dict:
+    """Feed `text` in pieces of `size` characters; reassemble as a client does (each
+    call's id of the pattern `ids`)."""
     parts = [p for i in range(0, len(text), size) for p in reader.feed(text[i:i + size])] + reader.finish()
     out = {"content": "", "reasoning": "", "calls": {}}
     for p in parts:
         if p.kind in ("content", "reasoning"):
             out[p.kind] += p.text
         elif p.kind == "call":
-            assert p.index not in out["calls"] and p.id.startswith("call_")
+            assert p.index not in out["calls"] and re.fullmatch(ids, p.id)
             out["calls"][p.index] = [p.text, ""]
         else:
             out["calls"][p.index][1] += p.text
@@ -161,3 +164,39 @@ def test_a_llama3_answer_is_one_call_or_words(size):
     assert read_llama3(words).content == words and read_llama3(call[:-2]).content == call[:-2]
     assert streamed(Reader(LLAMA3, tools=True), words, size) == {"content": words, "reasoning": "", "calls": []}
     assert detect("{{ m.tool_calls }}<|start_header_id|>ipython<|end_header_id|>") == LLAMA3
+
+
+MISTRAL = Dialect("mistral")
+MISTRAL_ID = r"[A-Za-z0-9]{9}"
+MISTRAL_CALLS = ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo \\"]}", "days": [1]}}, '
+                 '{"name": "lookup", "arguments": {}}]')
+
+
+def test_mistral_templates_are_told_by_their_calls_marker_and_take_the_vocabularys_token():
+    source = "{% for c in m.tool_calls %}[TOOL_CALLS][{{ c | tojson }}]{% endfor %}"
+    assert detect(source) == MISTRAL and MISTRAL.tells_tools
+    assert detect(source + "[ARGS]") == GENERIC        # Ministral 3's name[ARGS]{...}: not this form
+    assert MISTRAL.with_vocabulary({"[TOOL_CALLS]": 5}).opener == 5
+    assert MISTRAL.with_vocabulary({}).opener is None and HERMES.with_vocabulary({"[TOOL_CALLS]": 5}) == HERMES
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_a_mistral_answer_is_a_list_of_calls_or_words(size):
+    expected = [("get_weather", {"city": 'Oslo "]}', "days": [1]}), ("lookup", {})]
+    whole = read_mistral(MISTRAL_CALLS)
+    assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == expected and whole.content is None
+    assert all(re.fullmatch(MISTRAL_ID, c.id) for c in whole.tool_calls)
+    got = streamed(Reader(MISTRAL, tools=True), MISTRAL_CALLS, size, ids=MISTRAL_ID)
+    assert got["calls"] == expected and not got["content"].strip()
+    words = "It is [sunny] in [TOOL_CALLS land."
+    assert read_mistral(words).content == words and read_mistral(MISTRAL_CALLS[:-3]).content == MISTRAL_CALLS[:-3]
+    assert streamed(Reader(MISTRAL, tools=True), words, size) == {"content": words, "reasoning": "", "calls": []}
+    for start in ("[TOOL", "[TOOL_CALLS"):      # a marker's start that never became one is words
+        assert streamed(Reader(MISTRAL, tools=True), start, size)["content"] == start
+
+
+def test_mistral_arguments_stream_before_the_call_ends():
+    reader = Reader(MISTRAL, tools=True)
+    parts = [p for ch in MISTRAL_CALLS[:MISTRAL_CALLS.index('"days"')] for p in reader.feed(ch)]
+    assert parts[0].kind == "call" and parts[0].text == "get_weather"
+    assert "".join(p.text for p in parts if p.kind == "arguments") == '{"city": "Oslo \\"]}", '

@@ -330,3 +330,114 @@ def test_thinking_turned_off_by_a_request_or_for_the_server(server, client, tmp_
                  extra_body={"chat_template_kwargs": {"enable_thinking": True}}).choices[0].message
     assert message.content and getattr(message, "reasoning_content", None) is None
     assert on.reasoning_content and not on.content
+
+
+#: Mistral 7B v0.3's template in substance: tools in [AVAILABLE_TOOLS] before the last
+#: user turn, calls after [TOOL_CALLS] with nine-character ids (it raises on others),
+#: results in [TOOL_RESULTS]. [TOOL_CALLS] is a control token of Mistral's vocabulary.
+MISTRAL_TEMPLATE = """{%- if messages[0].role == 'system' %}{% set system = messages[0].content %}\
+{% set loop_messages = messages[1:] %}{% else %}{% set loop_messages = messages %}{% endif %}
+{%- set ns = namespace(last=-1) %}{% for m in loop_messages %}{% if m.role == 'user' %}\
+{% set ns.last = loop.index0 %}{% endif %}{% endfor %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+{%- if message.role == 'user' %}
+{%- if tools and loop.index0 == ns.last %}[AVAILABLE_TOOLS] [{% for t in tools %}{{ t | tojson }}\
+{% if not loop.last %}, {% endif %}{% endfor %}][/AVAILABLE_TOOLS]{% endif %}
+{%- if loop.index0 == ns.last and system is defined %}[INST] {{ system }}
+
+{{ message.content }}[/INST]{% else %}[INST] {{ message.content }}[/INST]{% endif %}
+{%- elif message.tool_calls %}[TOOL_CALLS] [{% for call in message.tool_calls %}\
+{%- if call.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}\
+{% endif %}{% set out = call.function | tojson %}{{ out[:-1] }}, "id": "{{ call.id }}"}\
+{% if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}
+{%- elif message.role == 'assistant' %} {{ message.content }}{{ eos_token }}
+{%- elif message.role == 'tool' %}[TOOL_RESULTS] {"content": {{ message.content | tojson }}, \
+"call_id": "{{ message.tool_call_id }}"}[/TOOL_RESULTS]
+{%- endif %}
+{%- endfor %}"""
+#: SmolLM2's control token renamed to Mistral's opener of calls
+MISTRAL_OPENER = "<gh_stars>"
+
+
+@pytest.fixture(scope="module")
+def mistral_gguf(tmp_path_factory):
+    """SmolLM2 carrying Mistral's template and [TOOL_CALLS] control token in its own file,
+    as a Mistral GGUF does."""
+    from swarmkv_ffi import catalog, tiny_gguf
+    path = tmp_path_factory.mktemp("mistral") / "smollm2-mistral.gguf"
+    return tiny_gguf.retokened(str(catalog.resolve(MODEL)), str(path), {MISTRAL_OPENER: "[TOOL_CALLS]"},
+                               MISTRAL_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def mistral(mistral_gguf, tmp_path_factory):
+    with Serve("--exact", "--model", mistral_gguf, "--name", MODEL,
+               log=tmp_path_factory.mktemp("mistral-log") / "serve.log") as s:
+        yield s
+
+
+def test_mistrals_grammar_makes_the_model_write_its_control_token(mistral_gguf):
+    """A required call starts with the vocabulary's [TOOL_CALLS] token, the only token
+    allowed first; `auto` allows it beside words."""
+    import numpy as np
+    from swarmkv_ffi.grammar import Constraint
+    from swarmkv_ffi.model import Model
+    from swarmkv_ffi.serve import structured
+    from swarmkv_ffi.serve.dialects import detect
+    from swarmkv_ffi.serve.templates import control_tokens
+    model = Model(mistral_gguf)
+    dialect = detect(model.chat_template).with_vocabulary(control_tokens(model)[1])
+    assert dialect.calls == "mistral" and dialect.opener == model.tokenize(
+        "[TOOL_CALLS]", add_special=False, parse_special=True)[0]
+    functions = [t["function"] for t in TOOLS]
+    required = Constraint(model, structured.mistral_grammar(functions, False, True, None, dialect.opener))
+    assert np.flatnonzero(required.allowed()).tolist() == [dialect.opener]
+    auto = np.flatnonzero(Constraint(model, structured.mistral_grammar(functions, True, True, None,
+                                                                       dialect.opener)).allowed())
+    assert dialect.opener in auto and len(auto) > 1000
+
+
+def test_mistral_renders_a_tool_loop_in_its_own_form(mistral):
+    import requests
+    call = {"id": "abcDEF123", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Oslo", "unit": "celsius"}'}}
+    messages = QUESTION + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                           {"role": "tool", "tool_call_id": "abcDEF123", "content": "sunny"}]
+    prompt = requests.post(mistral.url + "/apply-template", timeout=60,
+                           json={"model": MODEL, "messages": messages, "tools": TOOLS}).json()["prompt"]
+    assert '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}, ' \
+           '"id": "abcDEF123"}]' in prompt
+    assert '[TOOL_RESULTS] {"content": "sunny", "call_id": "abcDEF123"}[/TOOL_RESULTS]' in prompt
+    assert "[AVAILABLE_TOOLS]" in prompt and "tool_calls" not in prompt
+
+
+def test_mistral_calls_stream_as_written_and_go_back_into_the_template(mistral):
+    """Required, parallel calls: nine-character ids, arguments in several pieces, the
+    streamed calls equal to the whole answer's; the calls, sent back with their results,
+    render (the template raises on any other id)."""
+    client = mistral.client()
+    kw = dict(tools=TOOLS, tool_choice="required", parallel_tool_calls=True)
+    whole = ask(client, max_tokens=96, **kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    calls = checked(whole.message.tool_calls)
+    assert calls and all(len(c.id) == 9 and c.id.isalnum() for c in whole.message.tool_calls)
+    pieces = Counter()
+    with client.chat.completions.stream(model=MODEL, messages=QUESTION, max_tokens=96, temperature=0, **kw) as stream:
+        for event in stream:
+            if event.type == "chunk" and event.chunk.choices and event.chunk.choices[0].delta.tool_calls:
+                pieces.update(t.index for t in event.chunk.choices[0].delta.tool_calls if t.function.arguments)
+        streamed = stream.get_final_completion().choices[0]
+    assert max(pieces.values()) > 1 and checked(streamed.message.tool_calls) == calls
+    back = QUESTION + [whole.message.model_dump(exclude_none=True)] + [
+        {"role": "tool", "tool_call_id": c.id, "content": "sunny"} for c in whole.message.tool_calls]
+    assert ask(client, messages=back, max_tokens=8, tools=TOOLS).choices[0].finish_reason in ("stop", "length",
+                                                                                             "tool_calls")
+
+
+def test_mistral_auto_answers_in_words_or_in_calls(mistral):
+    for c in ask(mistral.client(), tools=TOOLS, tool_choice="auto", n=4, temperature=1.0, seed=2).choices:
+        if c.message.tool_calls:
+            assert c.finish_reason == "tool_calls" and checked(c.message.tool_calls)
+        else:
+            assert "[TOOL_CALLS]" not in (c.message.content or "")

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
 class ByteModel:
     """Token i is the byte i, so a UTF-8 character may span tokens."""
 
-    def token_bytes(self, token: int) -> bytes:
+    def token_bytes(self, token: int, special: bool = False) -> bytes:
         return bytes([token])
 
 
