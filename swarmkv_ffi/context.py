@@ -69,6 +69,9 @@ class ContextParams:
         self.validate()
         p = lib.llama_context_default_params()
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = self.n_ctx, self.n_batch, self.n_ubatch, self.n_seq_max
+        # libllama sizes its output buffer for the batch's rows but asserts room for one
+        # row per sequence: with fewer rows than sequences (serve --batch-size) it aborted.
+        p.n_outputs_max = max(self.n_batch, self.n_seq_max)
         p.kv_unified, p.swa_full = self.kv_unified, self.swa_full
         p.flash_attn_type = FLASH_ATTN[self.flash_attn]
         p.type_k, p.type_v = KV_TYPES[self.type_k], KV_TYPES[self.type_v]

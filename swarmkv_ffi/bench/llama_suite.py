@@ -11,7 +11,7 @@ one shim binary that reads llama-server's flags and starts the chosen server:
     any other flag `swarmkv serve` knows                       -> passed on as is
     no --metrics (llama-server's /metrics is off by default)   -> --no-metrics (ours is on)
     --parallel (slots there; ours serves any number at once)   -> dropped, and logged
-    the rest (--batch-size, --threads, ...)                    -> dropped, and logged
+    the rest (--ubatch-size, --ctx-checkpoints, ...)           -> dropped, and logged
 
 The suite downloads its tiny test models from Hugging Face; both servers get the one file
 given here instead (SmolLM2-135M by default), so tests whose assertions depend on the tiny

@@ -55,7 +55,7 @@ class Conductor(Booking, Swap, OwnContexts):
 
     def __init__(self, ledger: Ledger, table: dict[str, int] | None = None, n_threads: int | None = None,
                  swap: Ledger | None = None, agent_ttl: float = 0, quotas: Quotas = UNLIMITED,
-                 admin_uid: int | None = None, policy: Policy | None = None):
+                 admin_uid: int | None = None, policy: Policy | None = None, n_batch: int = 512):
         self.ledger, self.table = ledger, table or {}
         self.swap = swap or Ledger(lambda: 1 << 62, name="SWAP")   # host RAM for paused KV
         self.agent_ttl, self.quotas = agent_ttl, quotas
@@ -67,6 +67,7 @@ class Conductor(Booking, Swap, OwnContexts):
         self._uid_gates: dict[int, threading.Lock] = {}
         self.scheduler = Scheduler(self, policy)
         self.n_threads = n_threads
+        self.n_batch = n_batch          # the most tokens one step of a pool carries
         self.prefixes: dict[str, SharedPrefix] = {}
         self.request_pools: dict[PoolKey, Fixed] = {}   # requests.py's pools, by key
         self._computes: dict[PoolKey, int] = {}         # agents admitted per pool: its compute buffer's refs

@@ -128,7 +128,9 @@ class Booking:
         # batched with others as alone, and re-reading its tokens in one batch rebuilds the
         # very KV bytes they had when decoded one by one. kv_unified: the pool's agents
         # share one cell buffer, so a document's cells can be shared by seq_cp.
-        return Context(loaded.model, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_seq_max=n_seqs,
+        # n_ubatch stays at most 512, as every estimate measured it (estimate_bytes).
+        n_batch = min(self.n_batch, n_ctx)
+        return Context(loaded.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_batch, 512), n_seq_max=n_seqs,
                        kv_unified=n_seqs > 1, flash_attn="on", swa_full=True, batch_invariant=exact, **kw)
 
     def _free(self, agent: Agent, forget: bool = True) -> None:

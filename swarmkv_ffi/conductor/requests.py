@@ -121,10 +121,13 @@ class RequestPool:
 
     def submit(self, owner: int, tokens: list[int], max_tokens: int, *, sampling: dict | None = None,
                top_logprobs: int | None = None, on_token: Callable[[int, object], bool] | None = None,
-               cancelled: threading.Event | None = None, grammar: "str | Compiled | None" = None) -> Request:
+               cancelled: threading.Event | None = None, grammar: "str | Compiled | None" = None,
+               on_prompt: Callable[[int, int], None] | None = None) -> Request:
         """Queue one request of `owner`'s. on_token(token, logprobs or None) runs on the
         scheduler's thread after each generated token and returns False to end the
-        request there (a stop string); `cancelled`, once set, rolls it back; `grammar`
+        request there (a stop string); on_prompt(tokens in cells, of them forked) there
+        after each chunk of the prompt but the last (its progress, for a client that
+        asks); `cancelled`, once set, rolls it back; `grammar`
         (grammar.py: its text, or a Compiled one that several requests copy) constrains
         every token and ends the request once complete. Raises
         ContextFull when it cannot fit, Stopping once the conductor stops."""
@@ -132,7 +135,8 @@ class RequestPool:
             raise ConductorError("BAD_REQUEST", "the prompt is empty")
         self.check(len(tokens), max_tokens)
         cancelled = cancelled or threading.Event()
-        asked = Asked("", max_tokens, cancelled.is_set, dict(sampling or {}), top_logprobs, grammar, on_token)
+        asked = Asked("", max_tokens, cancelled.is_set, dict(sampling or {}), top_logprobs, grammar, on_token,
+                      on_prompt)
         run = Run(self._agent(owner, tokens, max_tokens), owner, asked)
         self.conductor.scheduler.enqueue(run)
         return Request(run, cancelled)

@@ -43,6 +43,7 @@ class Asked:
     top_logprobs: int | None = None   # report each token's logprob and this many alternatives
     grammar: "str | Compiled | None" = None   # the output must follow it (grammar.py); Run.constraint: its state
     on_token: Callable | None = None  # (token, logprobs or None) after each one; False ends the run
+    on_prompt: Callable | None = None  # (its tokens in cells, of them forked) after each chunk of a prompt but the last
 
 
 @dataclass

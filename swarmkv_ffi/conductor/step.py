@@ -63,6 +63,8 @@ def plan(pool: Pool, batch: Batch, runs: list[Run], order: Callable, cap: Callab
     several = len({r.owner for r in runs}) > 1
     base = len(decoding) or (min(input_len(pool, r) for r in prompts) if several else 0)
     room = cap(base)
+    if len(decoding) > room:        # a batch smaller than the runs decoding: the furthest behind go first
+        decoding.sort(key=lambda r: len(r.generated))
     for run in decoding:
         room -= _add_input(pool, step, run, room)
     step.decode_rows = sum(row.n for row in step.rows)
@@ -171,6 +173,8 @@ class Steps:
                 t1 = time.perf_counter()
                 self._sample(row.run, pool.ctx, row.logits)
                 host[row.run.owner] = host.get(row.run.owner, 0.0) + time.perf_counter() - t1
+            elif row.run.asked.on_prompt is not None:
+                row.run.asked.on_prompt(row.seat.kv_len, row.run.figures.cached)
         self._charge(host)
 
     def _in_step(self) -> list[Run]:

@@ -36,7 +36,8 @@ class Choice:
         self.result, self.error = None, None
         self.job: Job | None = None
         self.n_tokens, self.first_at = 0, None   # tokens so far, when the first came (telemetry.py)
-        self.progressed = False           # its prompt_progress event has been sent
+        self.progress: int | None = None  # the prompt's tokens its last prompt_progress reported
+        self.forked = 0                   # its prompt's tokens forked from cells, as the scheduler said
 
     @property
     def logprobs(self) -> list[TokenLogprob]:
@@ -102,7 +103,8 @@ class Call:
                 choice = Choice(p * n + k, stream, self.hosted.model)
                 job = Job(self.hosted, self.owner, tokens, self.max_tokens, self._on_token(choice),
                           sampling=self.body.settings(k, self.max_tokens), top_logprobs=self.body.ranked(),
-                          grammar=self.structure.compiled or self.structure.grammar)
+                          grammar=self.structure.compiled or self.structure.grammar,
+                          on_prompt=self._on_prompt(choice) if self.progress_asked else None)
                 choice.job = job
                 self.choices.append(choice)
                 self.jobs.append(job)
@@ -127,6 +129,19 @@ class Call:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, ("text", choice, piece))
             return not choice.text.stopped
         return on_token
+
+    @property
+    def progress_asked(self) -> bool:
+        """Does the client follow the prompt's reading (llama-server's return_progress)?"""
+        return self.body.stream and getattr(self.body, "return_progress", False)
+
+    def _on_prompt(self, choice: Choice):
+        """Runs on the scheduler's thread after a step read a chunk of the choice's prompt
+        (not its last): the tokens now in cells go to the stream (telemetry.progress)."""
+        def on_prompt(in_cells: int, forked: int) -> None:
+            choice.forked = forked
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, ("progress", choice, in_cells))
+        return on_prompt
 
     def _run(self, choice: Choice, job: Job) -> None:
         try:
@@ -167,7 +182,8 @@ class Call:
             self.engine.leave(self.owner, held)
 
     async def events(self):
-        """(kind, choice, text) until every choice has ended: 'text' pieces, then 'end'."""
+        """(kind, choice, value) until every choice has ended: 'progress' (the prompt's
+        tokens read so far, when asked), 'text' pieces, then 'end'."""
         left = len(self.choices)
         while left:
             kind, choice, text = await self.queue.get()

@@ -22,6 +22,14 @@ from .settings import Settings
 log = logging.getLogger("swarmkv.serve")
 
 
+def batch_size(text: str) -> int:
+    """--batch-size's value: a whole number of tokens, at least one."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: a step carries at least one token")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="swarmkv serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -31,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: loopback)")
     p.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: libllama's)")
+    p.add_argument("-b", "--batch-size", type=batch_size, default=512, metavar="N",
+                   help="the most tokens one step carries, as llama-server's: a long prompt is read N at a time "
+                        "(return_progress reports each), and with more than N requests generating, those that "
+                        "have generated the most wait a step (default: 512)")
     p.add_argument("--budget-bytes", type=int, default=None,
                    help="memory the server may book (default: 90%% of the host's, less what others use)")
     p.add_argument("-v", "--verbose", action="count", default=0,
@@ -81,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         return run(args, settings, keys.mapping())
     if os.environ.get("AIP_MODE") == "PREDICTION" and os.environ.get("AIP_HTTP_PORT"):
         args.port = int(os.environ["AIP_HTTP_PORT"])     # Vertex AI says where to listen (serve/vertex.py)
-    engine = ServeEngine(settings, keys, threads=args.threads, budget_bytes=args.budget_bytes)
+    engine = ServeEngine(settings, keys, threads=args.threads, budget_bytes=args.budget_bytes,
+                         batch_size=args.batch_size)
     app = create_app(engine, keys, settings)
     hosts = [h.strip() for h in args.host.split(",")]
     http = server(engine, uvicorn_config(app, hosts[0], args.port, settings, args.verbose))

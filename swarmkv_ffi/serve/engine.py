@@ -44,6 +44,7 @@ class Job:
     sampling: dict = field(default_factory=dict)
     top_logprobs: int | None = None
     grammar: object = None             # the output follows it: a grammar's text, or grammar.Compiled
+    on_prompt: Callable[[int, int], None] | None = None   # (prompt tokens in cells, forked) per chunk but the last
     cancelled: threading.Event = field(default_factory=threading.Event)   # the client left
     stopped: bool = False              # cancelled because the server stops (engine.drain)
     request: Request | None = None     # once submitted: how much of the prompt was cached
@@ -56,11 +57,11 @@ class ServeEngine:
     lmxd's fair step cap applies."""
 
     def __init__(self, settings: Settings, keys: Keys, *, threads: int | None = None,
-                 budget_bytes: int | None = None, conductor: Conductor | None = None):
+                 budget_bytes: int | None = None, conductor: Conductor | None = None, batch_size: int = 512):
         self.settings = settings
         self.memory = None if conductor is not None else DeviceMemory(budget_bytes=budget_bytes)
         self.conductor = conductor or Conductor(Ledger(self.memory.budget), n_threads=threads,
-                                                policy=Policy(lone_step_seconds=None))
+                                                policy=Policy(lone_step_seconds=None), n_batch=batch_size)
         self.models = Loader(settings.specs(), self._open, shared=len(keys.mapping()) > 1,
                              churn_window=settings.model_churn_window)
         self.host_bytes = sizing.host_cache_bytes(settings.host_cache_mib) // len(self.models.entries)
@@ -166,7 +167,8 @@ class ServeEngine:
         try:
             job.request = job.model.pool.submit(job.owner, job.tokens, job.max_tokens, sampling=job.sampling,
                                                 top_logprobs=job.top_logprobs, on_token=job.on_token,
-                                                cancelled=job.cancelled, grammar=job.grammar)
+                                                cancelled=job.cancelled, grammar=job.grammar,
+                                                on_prompt=job.on_prompt)
             result = job.request.result()
         except Exception as exc:
             raise refused(exc) from None

@@ -43,8 +43,6 @@ DEFAULT_PARAMS = ("n_predict", "temperature", "top_k", "top_p", "min_p", "repeat
 IGNORED = {
     "cache_prompt": "prompts are always cached (the pool keeps finished requests' cells)",
     "id_slot": "there are no slots: any request runs beside the others",
-    "timings_per_token": "timings come with the final object",
-    "return_progress": "the prompt is read in one go: there is no progress to report",
     "samplers": "the sampler chain is fixed: penalties, top_k, top_p, min_p, temperature",
     "backend_sampling": "tokens are drawn on the CPU from the logits, by the same chain either way",
     "verbose": "the answer is llama-server's __verbose object already",
@@ -84,6 +82,8 @@ class NativeCompletion(BaseModel):
     post_sampling_probs: bool = False       # n_probs after the sampler chain, as probabilities
     keep_alive: Union[float, str, None] = None
     ignore_eos: bool = False                # every end-of-generation token banned (benchmarks ask for it)
+    timings_per_token: bool = False         # a `timings` object on every streamed event
+    return_progress: bool = False           # `prompt_progress` events while the prompt is read
 
     @field_validator("prompt")
     @classmethod
@@ -113,7 +113,8 @@ class NativeCompletion(BaseModel):
             "repeat_penalty": self.repeat_penalty, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "grammar": self.grammar,
             "model": self.model, "keep_alive": self.keep_alive, "return_tokens": self.return_tokens,
-            "n_probs": self.n_probs, "post_sampling_probs": self.post_sampling_probs})
+            "n_probs": self.n_probs, "post_sampling_probs": self.post_sampling_probs,
+            "timings_per_token": self.timings_per_token, "return_progress": self.return_progress})
 
     def _prompts(self):
         """The prompt as the engine takes it: one text or token list, or several of them,
@@ -190,6 +191,8 @@ class NativeAsked(CompletionRequest):
     return_tokens: bool = False
     n_probs: int = 0
     post_sampling_probs: bool = False
+    timings_per_token: bool = False
+    return_progress: bool = False
 
     def limit(self) -> int | None:
         return self.max_tokens
@@ -231,13 +234,29 @@ class NativeShape:
     def piece(self, call: Call, choice: Choice, text: str):
         """One event per piece of text; with n_probs, one per token (its text may be held
         back while it could begin a stop string), carrying that token's probabilities."""
+        progress = self.progress(call, choice)
         fresh = self._probs(choice, call.body.post_sampling_probs, choice.logprobs_sent)
         if not text and not fresh:
-            return []
+            return progress
         choice.logprobs_sent += len(fresh)
+        event = self._partial(call, choice, text)
+        return progress + [sse({**event, "completion_probabilities": fresh} if fresh else event)]
+
+    def progress(self, call: Call, choice: Choice, read: int | None = None) -> list[str]:
+        """An event per prompt_progress report due (telemetry.progress), when asked;
+        `read`: the prompt's tokens in cells, None once it is all read."""
+        if not call.progress_asked:
+            return []
+        return [sse({**self._partial(call, choice, "", timed=False), "prompt_progress": report,
+                     **({"timings": spent} if call.body.timings_per_token else {})})
+                for report, spent in telemetry.progress(call, choice, read)]
+
+    def _partial(self, call: Call, choice: Choice, text: str, timed: bool = True) -> dict:
+        """llama-server's streamed event of a piece of text (its timings so far, when asked)."""
         event = {"index": choice.index, "content": text, "tokens": [], "stop": False, "id_slot": -1,
                  "tokens_predicted": choice.n_tokens, "tokens_evaluated": self._prompt_n(call, choice)}
-        return [sse({**event, "completion_probabilities": fresh} if fresh else event)]
+        return {**event, "timings": telemetry.timings(call, choice)} if timed and call.body.timings_per_token \
+            else event
 
     @staticmethod
     def _probs(choice: Choice, post_sampling: bool, start: int = 0) -> list[dict]:

@@ -179,14 +179,15 @@ async def _next_message(sent: asyncio.Queue, task: asyncio.Task) -> dict:
 class Replica:
     """A Serve replica: one `swarmkv serve` app over its own engine, on its node's cores."""
 
-    def __init__(self, settings: Settings, keys: dict[str, str], threads: int, budget_bytes: int | None):
+    def __init__(self, settings: Settings, keys: dict[str, str], threads: int, budget_bytes: int | None,
+                 batch_size: int = 512):
         from ray import serve
 
         from .app import create_app
         from .engine import ServeEngine
         from .keys import Keys
         keys = Keys(keys)
-        self.engine = ServeEngine(settings, keys, threads=threads, budget_bytes=budget_bytes)
+        self.engine = ServeEngine(settings, keys, threads=threads, budget_bytes=budget_bytes, batch_size=batch_size)
         self.app = create_app(self.engine, keys, self.engine.settings)
         self.id = serve.get_replica_context().replica_id.unique_id
 
@@ -337,7 +338,7 @@ def application(args, settings: Settings, keys: dict[str, str]):
     if args.route == "prefix":
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=PrefixRouter, request_router_kwargs={"imbalance": args.route_imbalance})
-    replica = serve.deployment(**options)(Replica).bind(settings, keys, threads, args.budget_bytes)
+    replica = serve.deployment(**options)(Replica).bind(settings, keys, threads, args.budget_bytes, args.batch_size)
     return ingress(settings, keys).bind(replica)
 
 

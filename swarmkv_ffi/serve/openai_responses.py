@@ -212,7 +212,8 @@ def to_chat(body: ResponsesRequest, model: str, earlier: list[dict]) -> tuple[Ch
     head = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat: dict[str, Any] = dict(model=model, messages=head + turns, temperature=body.temperature, top_p=body.top_p,
                                 top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop,
-                                stream=body.stream, keep_alive=body.keep_alive)
+                                stream=body.stream, keep_alive=body.keep_alive, return_progress=body.return_progress,
+                                timings_per_token=body.timings_per_token)
     if body.max_output_tokens is not None:
         chat["max_completion_tokens"] = body.max_output_tokens
     if body.tools:
@@ -345,13 +346,19 @@ opened when its first part is generated."""
     def piece(self, call: Call, choice: Choice, text: str):
         """The items as the reader splits the answer (dialects.Blocks): each opened when
         its first part comes, its text, thought or arguments as they are generated."""
-        if self.body.return_progress and not choice.progressed:
-            choice.progressed = True
-            yield self._event("response.in_progress", response=self._response(call, "in_progress", [], None),
-                              prompt_progress=telemetry.progress(call, choice), **self._timings(call, choice))
+        yield from self.progress(call, choice)
         if text:
             for event in self._blocks.feed(self._reader(call).feed(text)):
                 yield from self._streamed(event, self._timings(call, choice))
+
+    def progress(self, call: Call, choice: Choice, read: int | None = None):
+        """llama-server's return_progress: a response.in_progress event per report due
+        (telemetry.progress); `read`: the prompt's tokens in cells, None once all read."""
+        if not call.progress_asked:
+            return
+        for report, spent in telemetry.progress(call, choice, read):
+            yield self._event("response.in_progress", response=self._response(call, "in_progress", [], None),
+                              prompt_progress=report, **({"timings": spent} if self.body.timings_per_token else {}))
 
     def _reader(self, call: Call) -> Reader:
         if self._read is None:

@@ -63,6 +63,9 @@ class Events:
     def piece(self, call: Call, choice: Choice, text: str):
         return [sse(c.model_dump()) for c in self.shape.piece(call, choice, text)]
 
+    def progress(self, call: Call, choice: Choice, read: int):
+        return [sse(c.model_dump()) for c in self.shape.progress(call, choice, read)]
+
     def ending(self, call: Call, choice: Choice):
         return [sse(c.model_dump()) for c in self.shape.ending(call, choice) if c is not None]
 
@@ -119,7 +122,7 @@ class ChatShape:
     def piece(self, call: Call, choice: Choice, text: str) -> list[ChatChunk]:
         """The chunks of new text: its parts as the reader splits them (words, thought,
         a call opened, its arguments), the logprobs so far on the first."""
-        progress = self._progress(call, choice)
+        progress = self.progress(call, choice)
         fresh = choice.logprobs[choice.logprobs_sent:]
         deltas = [delta(p) for p in self._reader(call, choice).feed(text)] if text else []
         if not deltas and (not fresh or call.structure.enveloped):
@@ -131,14 +134,16 @@ class ChatShape:
                                                           logprobs=self._logprobs(call, fresh) if i == 0 else None)],
                                        **timings) for i, d in enumerate(deltas)]
 
-    def _progress(self, call: Call, choice: Choice) -> list[ChatChunk]:
-        """llama-server's return_progress: once the choice's prompt is read, a chunk with its
-        `prompt_progress` (and opening delta, as there)."""
-        if not getattr(call.body, "return_progress", False) or choice.progressed:
+    def progress(self, call: Call, choice: Choice, read: int | None = None) -> list[ChatChunk]:
+        """llama-server's return_progress: a chunk per report due (telemetry.progress), with
+        its `prompt_progress` (and the opening delta, as there); `read`: the prompt's
+        tokens in cells, None once it is all read."""
+        if not call.progress_asked:
             return []
-        choice.progressed = True
+        timed = getattr(call.body, "timings_per_token", False)
         return [self._chunk(call, [ChunkChoice(index=choice.index, delta=Delta(role="assistant", content=None))],
-                            prompt_progress=telemetry.progress(call, choice), **self._timings(call, choice))]
+                            prompt_progress=report, **({"timings": spent} if timed else {}))
+                for report, spent in telemetry.progress(call, choice, read)]
 
     def ending(self, call: Call, choice: Choice) -> list[ChatChunk]:
         """What the reader held back, then the finish: "tool_calls" when it opened any."""
@@ -173,6 +178,10 @@ def delta(part: Part) -> Delta:
 class CompletionShape:
     def __init__(self, model: str):
         self.model, self.id = model, f"cmpl-{uuid.uuid4().hex}"
+
+    @staticmethod
+    def progress(call: Call, choice: Choice, read: int) -> list:
+        return []         # OpenAI's completions have no return_progress
 
     @staticmethod
     def _logprobs(call: Call, entries: list[TokenLogprob]) -> CompletionLogprobs | None:

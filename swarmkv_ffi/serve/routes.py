@@ -617,11 +617,15 @@ class Stream(StreamingResponse):
 async def stream_events(call: Call, shape):
     for event in shape.opening(call):
         yield event
-    async for kind, choice, text in call.events():
+    async for kind, choice, value in call.events():
         if choice.error is not None and kind == "end":
             yield shape.error(refused(choice.error))
             continue
-        for event in (shape.piece(call, choice, text) if kind == "text" else shape.ending(call, choice)):
+        if kind == "progress":
+            events = shape.progress(call, choice, value)
+        else:
+            events = shape.piece(call, choice, value) if kind == "text" else shape.ending(call, choice)
+        for event in events:
             yield event
     for event in shape.closing(call):
         yield event

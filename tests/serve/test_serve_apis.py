@@ -323,9 +323,10 @@ def sse_data(response: requests.Response) -> list[dict]:
 
 def test_llama_server_telemetry_on_a_responses_stream(templated):
     """timings_per_token and return_progress, on the bare /responses route as llama-server's
-    clients call it: one prompt_progress event before the text, timings on every delta
-    and on the last event; the second same request reports its prompt from the cache (on
-    a server nothing else has used, so its pool still holds the first)."""
+    clients call it: prompt_progress events before the text (the cache, then the prompt
+    read: one step for a prompt this short), timings on every delta and on the last
+    event; the second same request reports its prompt from the cache (on a server nothing
+    else has used, so its pool still holds the first)."""
     body = {"model": MODEL, "input": "Telemetry. " + DOC[700:950], "max_output_tokens": 6, "temperature": 0, "stream": True,
             "timings_per_token": True, "return_progress": True}
     runs = []
@@ -337,13 +338,15 @@ def test_llama_server_telemetry_on_a_responses_stream(templated):
         progress = [e for e in events if "prompt_progress" in e]
         deltas = [e for e in events if e["type"] == "response.output_text.delta"]
         last = events[-1]
-        assert len(progress) == 1 and progress[0]["type"] == "response.in_progress"
-        assert events.index(progress[0]) < events.index(deltas[0])
-        assert progress[0]["prompt_progress"]["total"] == last["response"]["usage"]["input_tokens"]
+        assert len(progress) == 2 and {e["type"] for e in progress} == {"response.in_progress"}
+        assert events.index(progress[-1]) < events.index(deltas[0])
+        cache, read = (e["prompt_progress"] for e in progress)
+        assert cache["processed"] == cache["cache"] and read["processed"] == read["total"]
+        assert read["total"] == last["response"]["usage"]["input_tokens"]
         assert [d["timings"]["predicted_n"] for d in deltas] == sorted(d["timings"]["predicted_n"] for d in deltas)
         assert last["timings"]["predicted_n"] == last["response"]["usage"]["output_tokens"]
         assert last["timings"]["cache_n"] == last["response"]["usage"]["input_tokens_details"]["cached_tokens"]
-    first, second = (next(e for e in events if "prompt_progress" in e)["prompt_progress"] for events in runs)
+    first, second = ([e for e in events if "prompt_progress" in e][-1]["prompt_progress"] for events in runs)
     assert second["cache"] > first["cache"] and second["processed"] == second["total"]
 
 

@@ -172,18 +172,72 @@ def test_a_chat_stream_opens_with_null_content_and_carries_timings_when_asked(se
     assert not any("timings" in c for c in plain)
 
 
-def test_return_progress_sends_the_prompts_progress_once_before_the_answer(server):
-    """llama-server's return_progress on a chat stream: the engine reads a prompt in one go,
-    so one chunk, once it is read, with all of it processed and what came from cache."""
-    chunks = events(post(server, "/v1/chat/completions", chat_body(
-        stream=True, return_progress=True, stream_options={"include_usage": True}), stream=True))
-    progress = [i for i, c in enumerate(chunks) if "prompt_progress" in c]
-    first_text = next(i for i, c in enumerate(chunks) if c["choices"] and c["choices"][0]["delta"].get("content"))
-    assert len(progress) == 1 and progress[0] < first_text
-    shown = chunks[progress[0]]["prompt_progress"]
-    assert shown["total"] == shown["processed"] == chunks[-1]["usage"]["prompt_tokens"] >= shown["cache"] >= 0
-    assert not any("prompt_progress" in c for c in events(post(server, "/v1/chat/completions",
-                                                               chat_body(stream=True), stream=True)))
+@pytest.fixture(scope="module")
+def batched(tmp_path_factory):
+    """A server whose steps carry at most 32 tokens (--batch-size), fewer than its
+    sequences: a longer prompt is read in several steps."""
+    folder = tmp_path_factory.mktemp("batched")
+    with Serve("--ctx-size", "2048", "--batch-size", "32", log=folder / "serve.log") as s:
+        yield s
+
+
+def progress_of(chunks: list[dict]) -> list[dict]:
+    return [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
+
+
+def test_return_progress_reports_the_cache_then_every_step_of_the_prompt(batched):
+    """llama-server's return_progress: first what came from the cache (nothing read yet),
+    then the prompt's tokens read after each step (at most --batch-size more each), the
+    last all of them; all before the answer's first words. Asked again, the prompt comes
+    from the cache but its last token. Without return_progress, no report."""
+    body = chat_body(messages=[{"role": "user", "content": "Count the words: " + "one two three " * 20}],
+                     stream=True, return_progress=True, stream_options={"include_usage": True})
+    for again in (False, True):
+        chunks = events(post(batched, "/v1/chat/completions", body, key=None, stream=True))
+        shown = progress_of(chunks)
+        total, cache = chunks[-1]["usage"]["prompt_tokens"], shown[0]["cache"]
+        assert shown[0]["processed"] == cache and (cache == total - 1 if again else cache < total - 64)
+        assert [p["processed"] for p in shown] == sorted({p["processed"] for p in shown})
+        assert all(0 < b["processed"] - a["processed"] <= 32 for a, b in zip(shown, shown[1:]))
+        assert len(shown) == 1 + -(-(total - cache) // 32) and shown[-1]["processed"] == total
+        assert {p["total"] for p in shown} == {total} and {p["cache"] for p in shown} == {cache}
+        first_text = next(i for i, c in enumerate(chunks) if c["choices"] and c["choices"][0]["delta"].get("content"))
+        assert max(i for i, c in enumerate(chunks) if "prompt_progress" in c) < first_text
+    plain = dict(body, return_progress=False)
+    assert not progress_of(events(post(batched, "/v1/chat/completions", plain, key=None, stream=True)))
+
+
+def test_a_native_completions_progress_carries_timings_that_never_go_back(batched):
+    """As llama-server's test_metrics reads them: the first report before any prompt token
+    is read (prompt_n and prompt_ms 0, nothing predicted), none negative or going back."""
+    chunks = events(post(batched, "/completion", {
+        "prompt": "the quick brown fox jumps over the lazy dog " * 8, "n_predict": 4, "stream": True,
+        "timings_per_token": True, "return_progress": True}, key=None, stream=True))
+    timed = [c["timings"] for c in chunks if "prompt_progress" in c]
+    assert len(timed) > 2
+    assert (timed[0]["prompt_n"], timed[0]["prompt_ms"], timed[0]["predicted_n"], timed[0]["predicted_ms"]) == \
+        (0, 0.0, 0, 0.0)
+    assert all(v is not None and v >= 0 for t in timed for v in t.values())
+    assert [t["prompt_ms"] for t in timed] == sorted(t["prompt_ms"] for t in timed) and timed[-1]["prompt_ms"] > 0
+    assert all("timings" in c for c in chunks)
+
+
+def test_more_choices_than_a_step_has_rows_all_finish(batched):
+    """Three prompts, 16 choices each, at --batch-size 32: each step carries 32 of the 48
+    choices' tokens and the others wait a step (libllama asserted, and aborted the server,
+    when a batch had fewer rows than the context's sequences)."""
+    reply = post(batched, "/v1/completions", {"prompt": ["Red,", "Green,", "Blue,"], "n": 16, "max_tokens": 4,
+                                              "temperature": 1.0, "seed": 3}, key=None)
+    assert reply.status_code == 200, reply.text
+    choices = reply.json()["choices"]
+    assert len(choices) == 48 and all(c["text"] or c["finish_reason"] == "stop" for c in choices)
+
+
+def test_a_batch_size_under_one_is_refused_at_start():
+    from swarmkv_ffi.serve.cli import build_parser
+    assert build_parser().parse_args(["-b", "1"]).batch_size == 1
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--batch-size", "0"])
 
 
 @pytest.mark.parametrize("form", [{"json_schema": {"const": "42"}},
