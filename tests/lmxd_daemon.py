@@ -21,12 +21,13 @@ SYSTEM_PYTHON = "/usr/bin/python3"  # readable by other users, unlike a venv und
 
 
 class Daemon:
-    def __init__(self, tmp: Path, *args: str, preexec_fn=None):
+    def __init__(self, tmp: Path, *args: str, preexec_fn=None, env: dict | None = None):
         self.path = tmp / "lmx.sock"
         self.log = (tmp / "lmxd.log").open("w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "swarmkv_ffi.lmxd",
                                       "--socket", str(self.path), "--threads", "1", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
+                                     stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn,
+                                     env=None if env is None else {**os.environ, **env})
         deadline = time.time() + 60
         while not self._answers():  # the path may pre-exist (a stale socket): wait for a listener
             if self.proc.poll() is not None or time.time() > deadline:
