@@ -381,8 +381,9 @@ def test_prompts_may_mix_text_and_tokens_or_come_as_prompt_objects(server, smol)
     tokens = [int(t) for t in smol.tokenize(text, add_special=True)]
     greedy = {"n_predict": 6, "temperature": 0}
     mixed = post(server, "/completion", {"prompt": [tokens, text, {"prompt_string": text}], **greedy}).json()
-    # the same prompt each time (the answers may round apart: they share one batch)
-    assert len(mixed) == 3 and len({(m["prompt"], m["tokens_evaluated"] + m["tokens_cached"]) for m in mixed}) == 1
+    # the same prompt each time (the answers may round apart: they share one batch; one
+    # seated a step after another forks its cells, so tokens_cached differs by timing)
+    assert len(mixed) == 3 and len({(m["prompt"], m["tokens_evaluated"]) for m in mixed}) == 1
     alone = post(server, "/completion", {"prompt": {"prompt_string": text}, **greedy}).json()
     assert alone["prompt"] == mixed[0]["prompt"] and alone["content"]
     media = post(server, "/completion", {"prompt": {"prompt_string": text, "multimodal_data": "AAAA"}})
