@@ -116,9 +116,21 @@ def random_q6_k(rows: int, cols: int, rng, d_range: tuple[float, float] = (1e-5,
     """Q6_K blocks of random bytes, each scaled by an fp16 d drawn from d_range: the
     `gguf` package cannot quantize to Q6_K, and any bytes make a valid block (every
     6-bit value, every int8 scale, -128 included)."""
-    raw = rng.integers(0, 256, size=(rows, cols // 256, 210), dtype=np.uint8)
-    d = rng.uniform(*d_range, size=(rows, cols // 256)).astype(np.float16)
-    raw[..., 208:] = np.frombuffer(d.tobytes(), np.uint8).reshape(rows, cols // 256, 2)
+    return _random_blocks(rows, cols, 210, [208], rng, d_range)
+
+
+def random_q5_k(rows: int, cols: int, rng, d_range: tuple[float, float] = (1e-5, 4e-5)) -> np.ndarray:
+    """Q5_K blocks of random bytes (every 5-bit value, every 6-bit scale and min), each
+    with an fp16 d and dmin drawn from d_range: the `gguf` package cannot quantize to Q5_K."""
+    return _random_blocks(rows, cols, 176, [0, 2], rng, d_range)
+
+
+def _random_blocks(rows: int, cols: int, size: int, halves: list[int], rng, d_range) -> np.ndarray:
+    """Random 256-value blocks of `size` bytes, an fp16 from d_range at each offset in `halves`."""
+    raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    for at in halves:
+        d = rng.uniform(*d_range, size=(rows, cols // 256)).astype(np.float16)
+        raw[..., at:at + 2] = np.frombuffer(d.tobytes(), np.uint8).reshape(rows, cols // 256, 2)
     return raw.reshape(rows, -1)
 
 

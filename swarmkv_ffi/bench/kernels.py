@@ -14,6 +14,8 @@ next), and reports the medians:
               CPU's calibration (`swarmkv calibrate`, handed over as GGML_FA_SHARED_RULE),
               else the table built into the patch
   builtin     (not run unless named) the default mode with the built-in table
+  kx8         (not run unless named) the default mode with Q6_K and Q5_K on our kernels
+              (GGML_KX8=on) where the build keeps ggml's (AVX-512 VNNI: docs/matmul.md)
 
   llama-batched-bench -npp P -ntg G -npl N -pps -kvu -fa on -b 2048 -ub 512
 
@@ -24,7 +26,7 @@ table had to make), "vs stock" the default over stock llama.cpp. --op also times
 flash-attention op alone (swarmkv_ffi.fattn) for the same shapes. --types also runs the
 model requantized to other weight types (made once by the stock llama-quantize, kept under
 build_llama.sh's cache folder in requantized/): each weight type has its own matmul kernels, ours
-(Q4_1 and Q6_K on x86, docs/matmul.md) or ggml's. K-quants need rows of a multiple of 256
+(Q4_1, Q6_K and Q5_K on x86, docs/matmul.md) or ggml's. K-quants need rows of a multiple of 256
 values, which SmolLM2 (576 wide) mostly lacks: llama-quantize gives its other matrices
 another type. A model of Llama-3.2-1B's shapes (random weights, written once by
 swarmkv_ffi.shaped_gguf) takes K-quants everywhere:
@@ -49,11 +51,14 @@ from ..shaped_gguf import quantize
 from .measure import report_json, settings_of
 from .tools import run_json_lines
 
-VARIANTS = ("stock", "ggml", "ours", "default", "builtin")
+VARIANTS = ("stock", "ggml", "ours", "default", "builtin", "kx8")
 DEFAULT_VARIANTS = VARIANTS[:4]
 #: variant -> (tools build, environment for the kernel choice; None: the library's table)
 _RUNS = {"stock": ("stock", {}), "ggml": ("patched", {"GGML_FA_SHARED": "off"}),
-         "ours": ("patched", {"GGML_FA_SHARED": "on"}), "default": ("patched", None), "builtin": ("patched", {})}
+         "ours": ("patched", {"GGML_FA_SHARED": "on"}), "default": ("patched", None), "builtin": ("patched", {}),
+         "kx8": ("patched", None)}
+#: variant -> the K-quant matmul's choice (patch 0006's GGML_KX8), beside the attention's
+_MATMUL = {"kx8": {"GGML_KX8": "on"}}
 
 
 def ints(text: str) -> list[int]:
@@ -114,8 +119,11 @@ def variant_env(variant: str, rule: list[int] | None) -> dict:
     """The environment of one variant's run: ours, never the caller's kernel overrides."""
     extra = _RUNS[variant][1]
     if extra is None:                       # the library's table: the calibrated one, else the built-in
-        return calibration.kernel_env(rule)
-    return {**calibration.kernel_env(), **extra}
+        env = calibration.kernel_env(rule)
+    else:
+        env = {**calibration.kernel_env(), **extra}
+    env.pop("GGML_KX8", None)
+    return {**env, **_MATMUL.get(variant, {})}
 
 
 def tool(variant: str) -> Path:
@@ -149,9 +157,9 @@ def table(runs: dict[str, list[list[dict]]], args, kind: str) -> list[dict]:
                 row[f"{variant}_pp_tps"] = statistics.median(r["speed_pp"] for r in hits)
                 row[f"{variant}_tg_runs"] = [r["speed_tg"] for r in hits]
                 row[f"{variant}_pp_runs"] = [r["speed_pp"] for r in hits]
-            for chosen in {"default", "builtin"} & set(args.variants):
+            for chosen in {"default", "builtin", "kx8"} & set(args.variants):
                 for phase in ("tg", "pp"):
-                    if {"ggml", "ours"} <= set(args.variants):
+                    if chosen != "kx8" and {"ggml", "ours"} <= set(args.variants):
                         best = max(row[f"ggml_{phase}_tps"], row[f"ours_{phase}_tps"])
                         row[f"{chosen}_{phase}_vs_best"] = row[f"{chosen}_{phase}_tps"] / best
                     if "stock" in args.variants:
