@@ -152,16 +152,7 @@ def llama3_grammar(functions: list[dict], auto: bool, response: dict | None) -> 
     tool's name and its `parameters`; `auto` also allows words (JSON by `response`, when
     given) that do not open an object."""
     call = _bounded(grammars.json_rule({"anyOf": [_call_schema(f, "parameters") for f in functions]}))
-    rules = [f"call: {call}"]
-    if not auto:
-        start = "start: call"
-    elif response is not None:
-        start = "start: call | answer"
-        rules.append(f"answer: {grammars.json_rule(response)}")
-    else:
-        start = "start: call | WORDS"
-        rules.append("WORDS: /(.|\\n)+/ & ~/\\s*\\{(.|\\n)*/")
-    return _tools_lark([start] + rules)
+    return _calls_or_words("call", [f"call: {call}"], auto, response, "\\{")
 
 
 def mistral_grammar(functions: list[dict], auto: bool, parallel: bool, response: dict | None,
@@ -174,14 +165,20 @@ def mistral_grammar(functions: list[dict], auto: bool, parallel: bool, response:
     marker = f"<[{opener}]>" if opener is not None else json.dumps(MISTRAL_OPEN)
     more = ' (", " call)*' if parallel else ""
     rules = [f'calls: {marker} " "? "[" call{more} "]"', f"call: {call}"]
+    return _calls_or_words("calls", rules, auto, response, re.escape(MISTRAL_OPEN))
+
+
+def _calls_or_words(calls: str, rules: list[str], auto: bool, response: dict | None, opens: str) -> str:
+    """A grammar whose whole answer is rule `calls` or, `auto`, words (JSON by `response`,
+    when given) that do not begin as calls do (the regex `opens`, after any whitespace)."""
     if not auto:
-        start = "start: calls"
+        start = f"start: {calls}"
     elif response is not None:
-        start = "start: calls | answer"
-        rules.append(f"answer: {grammars.json_rule(response)}")
+        start = f"start: {calls} | answer"
+        rules = rules + [f"answer: {grammars.json_rule(response)}"]
     else:
-        start = "start: calls | WORDS"
-        rules.append(f"WORDS: /(.|\\n)+/ & ~/\\s*{re.escape(MISTRAL_OPEN)}(.|\\n)*/")
+        start = f"start: {calls} | WORDS"
+        rules = rules + [f"WORDS: /(.|\\n)+/ & ~/\\s*{opens}(.|\\n)*/"]
     return _tools_lark([start] + rules)
 
 

@@ -103,6 +103,18 @@ def checked(calls) -> list[tuple[str, dict]]:
     return out
 
 
+def streamed_calls(client, max_tokens: int, **kw):
+    """QUESTION streamed with the client's stream helper: (how many pieces carried each
+    call's arguments, the final choice)."""
+    pieces = Counter()
+    with client.chat.completions.stream(model=MODEL, messages=QUESTION, max_tokens=max_tokens, temperature=0,
+                                        **kw) as stream:
+        for event in stream:
+            if event.type == "chunk" and event.chunk.choices and event.chunk.choices[0].delta.tool_calls:
+                pieces.update(t.index for t in event.chunk.choices[0].delta.tool_calls if t.function.arguments)
+        return pieces, stream.get_final_completion().choices[0]
+
+
 def loop_prompt(server) -> str:
     """The prompt (/apply-template) of a tool loop: a call to get_weather, its result."""
     import requests
@@ -130,13 +142,8 @@ def test_a_required_call_in_the_models_form_streams_its_arguments(client):
     kw = dict(tools=TOOLS, tool_choice="required")
     whole = ask(client, **kw).choices[0]
     assert whole.finish_reason == "tool_calls" and whole.message.content is None
-    pieces = 0
-    with client.chat.completions.stream(model=MODEL, messages=QUESTION, max_tokens=64, temperature=0, **kw) as stream:
-        for event in stream:
-            if event.type == "chunk" and event.chunk.choices and event.chunk.choices[0].delta.tool_calls:
-                pieces += sum(1 for t in event.chunk.choices[0].delta.tool_calls if t.function.arguments)
-        streamed = stream.get_final_completion().choices[0]
-    assert pieces > 1
+    pieces, streamed = streamed_calls(client, 64, **kw)
+    assert sum(pieces.values()) > 1
     assert streamed.finish_reason == "tool_calls"
     assert checked(streamed.message.tool_calls) == checked(whole.message.tool_calls)
 
@@ -291,12 +298,7 @@ def test_llama3_calls_one_tool_in_its_own_form_streamed_as_written(llama3):
     kw = dict(tools=TOOLS, tool_choice="required", parallel_tool_calls=True)
     whole = ask(client, **kw).choices[0]
     assert whole.finish_reason == "tool_calls" and len(checked(whole.message.tool_calls)) == 1
-    pieces = Counter()
-    with client.chat.completions.stream(model=MODEL, messages=QUESTION, max_tokens=64, temperature=0, **kw) as stream:
-        for event in stream:
-            if event.type == "chunk" and event.chunk.choices and event.chunk.choices[0].delta.tool_calls:
-                pieces.update(t.index for t in event.chunk.choices[0].delta.tool_calls if t.function.arguments)
-        streamed = stream.get_final_completion().choices[0]
+    pieces, streamed = streamed_calls(client, 64, **kw)
     assert max(pieces.values()) > 1
     assert checked(streamed.message.tool_calls) == checked(whole.message.tool_calls)
     for c in ask(client, tools=TOOLS, tool_choice="auto", n=4, temperature=1.0, seed=2).choices:
@@ -422,12 +424,7 @@ def test_mistral_calls_stream_as_written_and_go_back_into_the_template(mistral):
     assert whole.finish_reason == "tool_calls" and whole.message.content is None
     calls = checked(whole.message.tool_calls)
     assert calls and all(len(c.id) == 9 and c.id.isalnum() for c in whole.message.tool_calls)
-    pieces = Counter()
-    with client.chat.completions.stream(model=MODEL, messages=QUESTION, max_tokens=96, temperature=0, **kw) as stream:
-        for event in stream:
-            if event.type == "chunk" and event.chunk.choices and event.chunk.choices[0].delta.tool_calls:
-                pieces.update(t.index for t in event.chunk.choices[0].delta.tool_calls if t.function.arguments)
-        streamed = stream.get_final_completion().choices[0]
+    pieces, streamed = streamed_calls(client, 96, **kw)
     assert max(pieces.values()) > 1 and checked(streamed.message.tool_calls) == calls
     back = QUESTION + [whole.message.model_dump(exclude_none=True)] + [
         {"role": "tool", "tool_call_id": c.id, "content": "sunny"} for c in whole.message.tool_calls]
