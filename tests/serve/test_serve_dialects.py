@@ -432,9 +432,18 @@ def test_mistral_calls_stream_as_written_and_go_back_into_the_template(mistral):
                                                                                              "tool_calls")
 
 
-def test_mistral_auto_answers_in_words_or_in_calls(mistral):
-    for c in ask(mistral.client(), tools=TOOLS, tool_choice="auto", n=4, temperature=1.0, seed=2).choices:
-        if c.message.tool_calls:
-            assert c.finish_reason == "tool_calls" and checked(c.message.tool_calls)
-        else:
-            assert "[TOOL_CALLS]" not in (c.message.content or "")
+def test_mistral_auto_answers_in_words_or_in_calls(mistral, mistral_gguf):
+    """Under `auto` the model's own [TOOL_CALLS] token opens calls (pushed to it by a
+    logit_bias, the answer is calls), and without it the answer is words (pushed away)."""
+    from swarmkv_ffi.model import Model
+    with Model(mistral_gguf) as model:
+        opener = model.tokenize("[TOOL_CALLS]", add_special=False, parse_special=True)[0]
+    client = mistral.client()
+    for bias, calls in ((100, True), (-100, False)):
+        for c in ask(client, tools=TOOLS, tool_choice="auto", n=2, max_tokens=96, temperature=1.0, seed=2,
+                     logit_bias={str(opener): bias}).choices:
+            assert bool(c.message.tool_calls) == calls, c.message
+            if calls:
+                assert c.finish_reason == "tool_calls" and checked(c.message.tool_calls)
+            else:
+                assert "[TOOL_CALLS]" not in (c.message.content or "")
