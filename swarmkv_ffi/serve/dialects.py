@@ -32,6 +32,7 @@ they are written, not at the end.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import secrets
@@ -101,7 +102,7 @@ class Dialect:
         Mistral's opener is the token where the vocabulary has one."""
         if self.calls != "mistral":
             return self
-        return Dialect(self.calls, self.thinks, controls.get(MISTRAL_OPEN))
+        return dataclasses.replace(self, opener=controls.get(MISTRAL_OPEN))
 
 
 def detect(source: str | None) -> Dialect:
