@@ -233,9 +233,12 @@ class NativeShape:
 
     def piece(self, call: Call, choice: Choice, text: str):
         """One event per piece of text; with n_probs, one per token (its text may be held
-        back while it could begin a stop string), carrying that token's probabilities."""
+        back while it could begin a stop string), carrying that token's probabilities. A
+        piece comes per token (and one for the text held to the end), so each takes one
+        token's: the event loop may come to a piece after later tokens were ranked."""
         progress = self.progress(call, choice)
-        fresh = self._probs(choice, call.body.post_sampling_probs, choice.logprobs_sent)
+        start = choice.logprobs_sent
+        fresh = self._probs(choice, call.body.post_sampling_probs, start, start + 1)
         if not text and not fresh:
             return progress
         choice.logprobs_sent += len(fresh)
@@ -259,15 +262,15 @@ class NativeShape:
             else event
 
     @staticmethod
-    def _probs(choice: Choice, post_sampling: bool, start: int = 0) -> list[dict]:
-        """llama-server's completion_probabilities of the choice's tokens from `start`;
-        after the sampler chain (`post_sampling`) as probabilities, as there."""
+    def _probs(choice: Choice, post_sampling: bool, start: int = 0, stop: int | None = None) -> list[dict]:
+        """llama-server's completion_probabilities of the choice's tokens from `start` to
+        `stop`; after the sampler chain (`post_sampling`) as probabilities, as there."""
         def item(token_id: int, entry) -> dict:
             said = {"prob": math.exp(entry.logprob)} if post_sampling else {"logprob": entry.logprob}
             return {"id": token_id, "token": entry.token, **said, "bytes": entry.bytes}
         tops = "top_probs" if post_sampling else "top_logprobs"
         return [{**item(token, entry), tops: [item(t, top) for (t, _), top in zip(ranks, entry.top_logprobs)]}
-                for entry, (token, (_, ranks)) in zip(choice.logprobs[start:], choice.ranked[start:])]
+                for entry, (token, (_, ranks)) in zip(choice.logprobs[start:stop], choice.ranked[start:stop])]
 
     def ending(self, call: Call, choice: Choice):
         return [sse(self._picked(self._final(call, choice, "")))]
